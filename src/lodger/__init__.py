@@ -1,0 +1,3 @@
+"""lodger: recoverable, reproducible, interruptible, accountable fine-tuning on machines people own."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,181 @@
+"""CheckpointStore: atomic, verified, self-describing checkpoint folders.
+
+A checkpoint is ``checkpoints/step-<N>/`` holding its files and ``MANIFEST.json`` (names, sizes,
+sha256, step, world size, lodger version). It is written into ``.tmp-<step>-<random>/``, every
+file fsynced, the manifest written last, the folder fsynced, renamed, and the parent fsynced. A
+folder without a valid manifest does not exist as far as resume is concerned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import __version__, durable
+from .errors import CheckpointError
+
+MANIFEST = "MANIFEST.json"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint: its step, folder, manifest and the bytes of every file."""
+
+    step: int
+    path: Path
+    manifest: dict
+    files: dict[str, bytes] = field(repr=False)
+
+
+def _sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class CheckpointStore:
+    """Saves, verifies, finds and prunes the checkpoints of one run."""
+
+    def __init__(self, root: Path, keep_last: int = 3, world_size: int = 1):
+        if keep_last < 2:
+            raise ValueError("keep_last must be at least 2")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.world_size = world_size
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- finding ---------------------------------------------------------------------------
+    def committed(self) -> list[tuple[int, Path]]:
+        """Committed step folders, newest first (not yet verified)."""
+        found = []
+        for entry in self.root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and entry.is_dir():
+                found.append((int(match.group(1)), entry))
+        return sorted(found, reverse=True)
+
+    def clean_stale(self) -> list[Path]:
+        """Remove half-written (``.tmp-*``) and half-deleted (``.trash-*``) folders left by a crash."""
+        stale = [p for p in self.root.iterdir() if p.name.startswith((".tmp-", ".trash-"))]
+        for path in stale:
+            durable.remove_tree(path)
+        if stale:
+            durable.fsync_dir(self.root)
+        return stale
+
+    def load(self, path: Path) -> Checkpoint:
+        """Read a checkpoint and verify every file against its manifest; raise CheckpointError if not."""
+        try:
+            manifest = json.loads((path / MANIFEST).read_bytes())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path.name}: no {MANIFEST} (the write never finished)") from None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{path.name}: unreadable {MANIFEST}: {exc}") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise CheckpointError(f"{path.name}: {MANIFEST} has no file list")
+        files: dict[str, bytes] = {}
+        for name, meta in manifest["files"].items():
+            try:
+                data = (path / name).read_bytes()
+            except OSError:
+                raise CheckpointError(f"{path.name}/{name}: missing") from None
+            if len(data) != meta.get("size"):
+                raise CheckpointError(f"{path.name}/{name}: size {len(data)}, manifest says {meta.get('size')}")
+            if _sha256(data) != meta.get("sha256"):
+                raise CheckpointError(f"{path.name}/{name}: sha256 does not match the manifest (corrupt)")
+            files[name] = data
+        return Checkpoint(step=int(manifest["step"]), path=path, manifest=manifest, files=files)
+
+    def latest_good(self, on_damaged: Callable[[Path, str, Path], None] | None = None) -> Checkpoint | None:
+        """The newest checkpoint that verifies. Damaged ones are moved aside and reported."""
+        for _, path in self.committed():
+            try:
+                return self.load(path)
+            except CheckpointError as exc:
+                aside = self.root / f"damaged-{path.name}-{int(time.time())}"
+                durable.rename(path, aside)
+                durable.fsync_dir(self.root)
+                if on_damaged is not None:
+                    on_damaged(path, str(exc), aside)
+        return None
+
+    # -- writing ---------------------------------------------------------------------------
+    def save(self, step: int, files: dict[str, bytes], info: dict | None = None) -> Path:
+        """Commit a checkpoint for ``step`` atomically; prune older ones only afterwards."""
+        final = self.root / f"step-{step:08d}"
+        tmp = self.root / f".tmp-{step:08d}-{secrets.token_hex(4)}"
+        durable.mkdir(tmp)
+        entries: dict[str, dict] = {}
+        # Hash in a second thread while the first writes: hashlib and file writes both release the GIL.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            for name, data in files.items():
+                digest = pool.submit(_sha256, data)
+                durable.write_file(tmp / name, data)
+                entries[name] = {"size": len(data), "sha256": digest.result()}
+                if name.endswith(".safetensors"):
+                    durable.fault_point("after_tensors")
+        durable.fault_point("before_manifest")
+        manifest = {
+            "format": 1,
+            "step": step,
+            "world_size": self.world_size,
+            "lodger_version": __version__,
+            "created": time.time(),
+            "files": entries,
+            **(info or {}),
+        }
+        durable.write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        durable.fsync_dir(tmp)
+        durable.fault_point("before_rename")
+        if final.exists():  # the same step saved again (e.g. after a damaged one was moved aside)
+            self._discard(final)
+        durable.rename(tmp, final)
+        durable.fault_point("before_dir_fsync")
+        durable.fsync_dir(self.root)
+        self.prune()
+        return final
+
+    def _discard(self, path: Path) -> None:
+        trash = self.root / f".trash-{path.name}-{secrets.token_hex(4)}"
+        durable.rename(path, trash)
+        durable.fsync_dir(self.root)
+        durable.remove_tree(trash)
+
+    def prune(self) -> list[Path]:
+        """Delete all but the newest ``keep_last`` committed checkpoints (rename away first)."""
+        old = [path for _, path in self.committed()[self.keep_last:]]
+        for path in old:
+            trash = self.root / f".trash-{path.name}-{secrets.token_hex(4)}"
+            durable.rename(path, trash)
+            durable.fsync_dir(self.root)
+            durable.fault_point("during_prune")
+            durable.remove_tree(trash)
+        if old:
+            durable.fsync_dir(self.root)
+        return old
+
+
+FAULT_POINTS = ("after_tensors", "before_manifest", "before_rename", "before_dir_fsync", "during_prune")
+"""The named places in the checkpoint write path where tests make the process die."""
+
+
+def hash_file(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+__all__ = ["Checkpoint", "CheckpointStore", "FAULT_POINTS", "MANIFEST", "hash_file", "dir_size"]

@@ -1,0 +1,53 @@
+"""Entry point: the command group, and the one place a LodgerError becomes a message and an exit code."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from ..errors import LodgerError
+
+
+class LodgerGroup(click.Group):
+    """Runs a command and turns lodger's own errors into `error: ...` and their exit code."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except LodgerError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=LodgerGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="lodger")
+def cli() -> None:
+    """lodger: fine-tune models on the machine you own, recoverably and reproducibly.
+
+    \b
+    make demo                      fine-tune SmolLM2 on the bundled data
+    lodger init my-job.toml        a commented job file to edit
+    lodger run my-job.toml         train (Ctrl-C commits a checkpoint and stops)
+    lodger resume RUN              continue from the newest good checkpoint
+    lodger ls / show RUN / logs RUN
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # lodger never downloads
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _register() -> None:
+    from . import demo, runs, train
+
+    for module in (train, runs, demo):
+        for command in module.COMMANDS:
+            cli.add_command(command)
+
+
+_register()
+
+
+def main() -> None:
+    cli()

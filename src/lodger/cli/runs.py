@@ -1,0 +1,161 @@
+"""Commands that read: ls, show, logs, audit. None of them imports torch."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from ..errors import LodgerError
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
+
+
+def _live_status(run: dict) -> str:
+    """The recorded status, corrected for a process that died without saying so."""
+    from ..home import run_dir
+    from ..session import is_locked
+
+    if run["status"] == "running" and not is_locked(run_dir(run["id"])):
+        return "crashed"
+    return run["status"]
+
+
+@click.command(name="ls")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def ls(as_json: bool) -> None:
+    """List runs: id, status, model, method, step, loss, started.
+
+    Example: lodger ls
+    """
+    from ..ledger import Ledger
+
+    with Ledger() as ledger:
+        runs = ledger.runs()
+    for run in runs:
+        run["status"] = _live_status(run)
+    if as_json:
+        keys = ("id", "status", "model", "method", "step", "total_steps", "loss", "created")
+        click.echo(json.dumps([{k: r[k] for k in keys} for r in runs], indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None)
+    for column in ("run", "status", "model", "method", "step", "loss", "started"):
+        table.add_column(column)
+    for r in runs:
+        loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
+        table.add_row(r["id"], r["status"], Path(r["model"]).name, r["method"],
+                      f"{r['step']}/{r['total_steps']}", loss, _when(r["created"]))
+    Console().print(table)
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def show(run_id: str, as_json: bool) -> None:
+    """Status, progress, last good checkpoint, latest metrics, provenance and events of RUN.
+
+    Example: lodger show my-job-20261129-101500-ab12
+    """
+    from ..home import run_dir
+    from ..ledger import Ledger
+
+    with Ledger() as ledger:
+        run = ledger.find_run(run_id)
+        events = ledger.events(run["id"])
+        provenance = ledger.provenance(run["id"])
+        train = ledger.metrics(run["id"], "train")
+        evals = ledger.metrics(run["id"], "eval")
+    run["status"] = _live_status(run)
+    folder = run_dir(run["id"])
+    checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
+    info = {"run": run, "folder": str(folder), "checkpoints": checkpoints,
+            "last_train": train[-1] if train else None, "last_eval": evals[-1] if evals else None,
+            "segments": len(provenance), "events": events}
+    if as_json:
+        info["provenance"] = provenance
+        click.echo(json.dumps(info, indent=1, default=str))
+        return
+    click.echo(f"run       {run['id']}  ({run['status']})")
+    click.echo(f"progress  step {run['step']}/{run['total_steps']}  loss {run['loss']}")
+    click.echo(f"model     {run['model']}  method {run['method']}")
+    click.echo(f"folder    {folder}")
+    click.echo(f"last good checkpoint  {checkpoints[-1] if checkpoints else '-'}")
+    if info["last_eval"]:
+        click.echo(f"last eval step {info['last_eval']['step']}: eval_loss {info['last_eval']['eval_loss']:.4f}")
+    if provenance:
+        p = provenance[-1]
+        code = p.get("code", {})
+        click.echo(f"provenance  segments {len(provenance)}; lodger {p['lodger_version']}; python "
+                   f"{p['python']['version']}; torch {p['packages'].get('torch')}; threads "
+                   f"{p['numerics']['threads']}; host {p['host']}; git {code.get('commit', '-')}"
+                   f"{' (dirty)' if code.get('dirty') else ''}")
+        click.echo(f"            model sha256 {p['model']['sha256'][:16]}  train sha256 "
+                   f"{p['data']['train']['sha256'][:16]}")
+    click.echo("events:")
+    for e in events:
+        data = ", ".join(f"{k}={v}" for k, v in e["data"].items() if k != "compute")
+        click.echo(f"  {_when(e['time'])}  {e['kind']:<18} {data}")
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines while the run is alive.")
+def logs(run_id: str, follow: bool) -> None:
+    """Print RUN's log (log.txt); with -f, follow it like `tail -f`.
+
+    Example: lodger logs my-job-20261129-101500-ab12 -f
+    """
+    from ..home import run_dir
+    from ..ledger import Ledger
+    from ..session import is_locked
+
+    with Ledger() as ledger:
+        run = ledger.find_run(run_id)
+    folder = run_dir(run["id"])
+    path = folder / "log.txt"
+    if not path.exists() and not follow:
+        raise LodgerError(f"run {run['id']} has no log yet")
+    position = 0
+    while True:
+        if path.exists():
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                fh.seek(position)
+                chunk = fh.read()
+                position = fh.tell()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        if not follow or not is_locked(folder):
+            if follow and path.exists() and path.stat().st_size > position:
+                continue  # drain what was written before the run stopped
+            return
+        time.sleep(0.5)
+
+
+@click.command()
+def audit() -> None:
+    """Verify the ledger's hash chain; exit 1 if any row was edited, deleted or inserted.
+
+    Example: lodger audit
+    """
+    from ..ledger import Ledger
+
+    with Ledger() as ledger:
+        count, problems = ledger.audit()
+    if not problems:
+        click.echo(f"ledger intact: {count} events, hash chain verified")
+        return
+    for problem in problems:
+        click.echo(f"row {problem.seq}: {problem.problem}", err=True)
+    raise LodgerError(f"ledger chain broken: {len(problems)} problem(s) in {count} events")
+
+
+COMMANDS = [ls, show, logs, audit]

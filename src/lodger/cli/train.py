@@ -1,0 +1,89 @@
+"""Commands that train: init, run, resume."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import click
+
+from ..errors import JobFileError, RunStateError
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite FILE if it exists.")
+def init(file: Path, force: bool) -> None:
+    """Write a commented job file that runs as written.
+
+    Beside it go train.jsonl and eval.jsonl (the bundled demo data) unless files of those names
+    are already there. Edit the file, then train with `lodger run FILE`.
+
+    Example: lodger init my-job.toml
+    """
+    from importlib import resources
+
+    from ..config import example_job
+
+    if file.exists() and not force:
+        raise JobFileError(f"{file} already exists; pick another name or pass --force to overwrite it")
+    folder = file.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    demo = resources.files("lodger") / "demo"
+    for name in ("train.jsonl", "eval.jsonl"):
+        if not (folder / name).exists():
+            with resources.as_file(demo / name) as src:
+                shutil.copyfile(src, folder / name)
+    file.write_text(example_job("train.jsonl", "eval.jsonl"))
+    click.echo(f"wrote {file} (data: {folder / 'train.jsonl'}, {folder / 'eval.jsonl'})")
+    click.echo(f"next: lodger run {file}")
+
+
+@click.command()
+@click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--threads", type=click.IntRange(1, 1024), help="Override [training] threads.")
+@click.option("--quiet", is_flag=True, help="Only errors on the terminal (log.txt still gets everything).")
+def run(job: Path, threads: int | None, quiet: bool) -> None:
+    """Train the job in JOB (a TOML file) in this terminal.
+
+    Everything is validated before anything is written. Ctrl-C or SIGTERM commits a checkpoint
+    at the next step and exits 0; a second Ctrl-C quits at once. Continue with `lodger resume RUN`.
+
+    Example: lodger run my-job.toml
+    """
+    from ..session import create_run, execute
+
+    run_id, prepared = create_run(job, threads)
+    click.echo(f"run {run_id}")
+    execute(run_id, prepared, resuming=False, quiet=quiet)
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--threads", type=click.IntRange(1, 1024),
+              help="Resume at another thread count (works, but is recorded as drift: no longer bitwise comparable).")
+@click.option("--quiet", is_flag=True, help="Only errors on the terminal.")
+def resume(run_id: str, threads: int | None, quiet: bool) -> None:
+    """Continue RUN from its newest good checkpoint.
+
+    Damaged checkpoints are reported, moved aside and skipped. On the same machine, threads and
+    library versions the result is bitwise identical to an uninterrupted run; otherwise lodger
+    warns and records the drift.
+
+    Example: lodger resume my-job-20261129-101500-ab12
+    """
+    from ..ledger import Ledger
+    from ..session import execute, is_locked, resume_prepared
+    from ..home import run_dir
+
+    with Ledger() as ledger:
+        run = ledger.find_run(run_id)
+    if run["status"] == "finished":
+        raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger run`")
+    if is_locked(run_dir(run["id"])):
+        raise RunStateError(f"run {run['id']} is running now; nothing to resume")
+    prepared = resume_prepared(run["id"], threads)
+    execute(run["id"], prepared, resuming=True, quiet=quiet)
+
+
+COMMANDS = [init, run, resume]

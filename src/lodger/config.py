@@ -1,0 +1,260 @@
+"""The job file: typed, documented models filled from TOML.
+
+Defaults live here and only here. ``load_job`` collects every problem in the file and raises
+one ``JobFileError`` that names each key, the bad value, the reason and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import JobFileError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    source: str = "smollm2-135m-instruct"
+    """The base model: the alias `smollm2-135m-instruct`, a local Hugging Face folder (config.json +
+    safetensors), or a .gguf file. Nothing is ever downloaded."""
+
+
+class MethodConfig(_Section):
+    kind: Literal["lora", "full"] = "lora"
+    """`lora` trains a small adapter (peft); `full` trains every weight of the model."""
+    rank: int = Field(8, ge=1, le=1024)
+    """LoRA rank r: the width of the low-rank update."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA alpha: the update is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input during training (0 disables it)."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
+    """Names of the linear layers that get an adapter, e.g. ["q_proj", "k_proj", "v_proj", "o_proj"]."""
+
+
+class DataConfig(_Section):
+    train: Path
+    """Training data: JSONL, one `{"messages": [...]}` chat or `{"text": ...}` per line.
+    Relative paths are taken from the job file's folder."""
+    eval: Path | None = None
+    """Held-out data in the same format. When absent, `eval_fraction` of `train` is held out."""
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    """Share of the training lines held out for evaluation when `eval` is not given (0 disables eval)."""
+    max_length: int = Field(256, ge=8, le=131072)
+    """Tokens per example; longer examples are truncated."""
+
+
+class TrainingConfig(_Section):
+    steps: int | None = Field(None, ge=1)
+    """Number of optimizer steps. Give either `steps` or `epochs`."""
+    epochs: float | None = Field(None, gt=0)
+    """Passes over the training data (may be fractional). Give either `steps` or `epochs`."""
+    batch_size: int = Field(4, ge=1)
+    """Examples per micro-batch (one forward and backward pass)."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches accumulated into one optimizer step; the effective batch is batch_size * grad_accum."""
+    learning_rate: float = Field(2e-4, gt=0, le=1.0)
+    """Peak learning rate of AdamW, reached after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup from 0 to `learning_rate`."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """After warmup the rate follows a cosine down to learning_rate * min_lr_ratio at the last step."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; leave it out to disable clipping."""
+    seed: int = Field(0, ge=0, lt=2**63)
+    """Seeds the adapter's initial weights, dropout, the eval split and the data order."""
+    threads: int | None = Field(None, ge=1, le=1024)
+    """CPU threads for torch. Left out, lodger uses every core and records the number it chose;
+    results are bitwise comparable only at the same thread count."""
+    eval_every: int | None = Field(None, ge=1)
+    """Evaluate on the held-out set every this many steps (and always at the start and the end)."""
+    log_every: int = Field(1, ge=1)
+    """Print the step line every this many steps (every step is still written to metrics.jsonl)."""
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> "TrainingConfig":
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give either `steps` or `epochs`, not both: remove one of them")
+        if self.steps is None and self.epochs is None:
+            raise ValueError("give `steps = N` or `epochs = N` in [training]")
+        return self
+
+
+class CheckpointConfig(_Section):
+    every_steps: int | None = Field(50, ge=1)
+    """Commit a checkpoint every this many optimizer steps."""
+    every_seconds: float | None = Field(None, gt=0)
+    """Also commit one when this many seconds have passed since the last (checked at step boundaries)."""
+    keep_last: int = Field(3, ge=2)
+    """How many committed checkpoints to keep (at least 2, so a damaged newest one has a fallback)."""
+
+
+class JobConfig(_Section):
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Output name: the run id starts with it. Letters, digits, `_`, `.`, `-`."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The base model."""
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    """What is trained: a LoRA adapter or all weights."""
+    data: DataConfig
+    """Where the examples come from."""
+    training: TrainingConfig
+    """Optimisation settings."""
+    checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """How often state is committed to disk."""
+
+    def resolved_dict(self) -> dict[str, Any]:
+        """The job with every default filled in, as plain TOML-ready values."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def _fix_for(error: dict[str, Any], model_fields: dict[str, Any]) -> str:
+    kind = error["type"]
+    key = str(error["loc"][-1]) if error["loc"] else ""
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(key, list(model_fields), n=1)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        return f"{hint}remove it (known keys: {', '.join(sorted(model_fields))})"
+    if kind == "missing":
+        return "add it"
+    if kind == "literal_error":
+        return "use one of the allowed values"
+    return "change the value"
+
+
+def _section_fields(loc: tuple[Any, ...]) -> dict[str, Any]:
+    model: type[BaseModel] = JobConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            break
+    return model.model_fields
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    section = ".".join(str(p) for p in loc[:-1])
+    key = f"[{section}] {loc[-1]}" if section else (str(loc[-1]) if loc else "(file)")
+    if error["type"] == "missing":
+        where = f"[{section}] " if section else ""
+        return f"{where}{loc[-1]}: missing; add it" if loc else "missing value"
+    value = error.get("input")
+    shown = "" if isinstance(value, dict) else f" = {value!r}"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc))}"
+
+
+def parse_job(raw: dict[str, Any], source: str, base_dir: Path) -> JobConfig:
+    """Validate an already parsed TOML table; relative data paths are resolved from ``base_dir``."""
+    try:
+        job = JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = [_describe(e) for e in exc.errors()]
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}") from None
+    data = job.data
+    data.train = (base_dir / data.train).resolve()
+    if data.eval is not None:
+        data.eval = (base_dir / data.eval).resolve()
+    source_path = Path(job.model.source).expanduser()
+    if not source_path.is_absolute() and (base_dir / source_path).exists():
+        job.model.source = str((base_dir / source_path).resolve())
+    missing = [p for p in (data.train, data.eval) if p is not None and not p.is_file()]
+    if missing:
+        listed = "\n".join(f"  - [data] {p.name}: file not found at {p}; fix the path" for p in missing)
+        raise JobFileError(f"{source}: {len(missing)} problem(s) in the job file:\n{listed}")
+    return job
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Read and validate a job file, raising one JobFileError that lists every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise JobFileError(f"{path}: no such job file; create one with `lodger init {path}`") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JobFileError(f"{path}: cannot read the job file: {exc}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise JobFileError(f"{path}: not valid TOML: {exc}; fix the syntax at that line") from None
+    return parse_job(raw, str(path), path.resolve().parent)
+
+
+def total_steps(job: JobConfig, n_train: int) -> int:
+    """Optimizer steps the job will take, from `steps` or from `epochs` over ``n_train`` examples."""
+    if job.training.steps is not None:
+        return job.training.steps
+    per_step = job.training.batch_size * job.training.grad_accum
+    return max(1, math.ceil(job.training.epochs * n_train / per_step))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def to_toml(data: dict[str, Any]) -> str:
+    """Write a two-level table (top-level keys, then sections) as TOML."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for section, table in data.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{section}]"]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines).lstrip() + "\n"
+
+
+_COMMENTED_EXAMPLES: dict[str, Any] = {"epochs": 1.0, "every_seconds": 600.0}
+
+
+def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl") -> str:
+    """A commented job file, generated from the field docstrings so it never drifts from the code."""
+    values: dict[str, dict[str, Any]] = {
+        "model": {"source": "smollm2-135m-instruct"},
+        "method": {"kind": "lora", "rank": 8, "alpha": 16.0, "dropout": 0.0,
+                   "target_modules": ["q_proj", "v_proj"]},
+        "data": {"train": train, **({"eval": eval_} if eval_ else {}), "max_length": 128},
+        "training": {"steps": 60, "batch_size": 8, "grad_accum": 1, "learning_rate": 1e-3,
+                     "warmup_steps": 5, "min_lr_ratio": 0.1, "weight_decay": 0.0, "max_grad_norm": 1.0,
+                     "seed": 0, "threads": 2, "eval_every": 20, "log_every": 5},
+        "checkpoints": {"every_steps": 20, "keep_last": 3},
+    }
+    sections = {"model": ModelConfig, "method": MethodConfig, "data": DataConfig,
+                "training": TrainingConfig, "checkpoints": CheckpointConfig}
+    out = ["# lodger job file. Every key is optional unless marked required; run `lodger run FILE`.",
+           "", "# " + JobConfig.model_fields["name"].description, 'name = "my-job"']
+    for section, model in sections.items():
+        out += ["", f"# {JobConfig.model_fields[section].description}", f"[{section}]"]
+        for key, field in model.model_fields.items():
+            doc = (field.description or "").replace("\n", " ")
+            doc = " ".join(doc.split())
+            required = " (required)" if field.is_required() else ""
+            out.append(f"# {doc}{required}")
+            if key in values[section]:
+                out.append(f"{key} = {_toml_value(values[section][key])}")
+            elif field.default is not None and not field.is_required():
+                out.append(f"# {key} = {_toml_value(field.default)}")
+            else:
+                out.append(f"# {key} = {_toml_value(_COMMENTED_EXAMPLES[key])}")
+    return "\n".join(out) + "\n"

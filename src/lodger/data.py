@@ -1,0 +1,218 @@
+"""Read and validate JSONL, tokenize (cached by content hash), and the resumable sampler.
+
+Two line formats: chats ``{"messages": [{"role": ..., "content": ...}, ...]}`` rendered with the
+tokenizer's chat template, loss on assistant tokens only; and ``{"text": ...}``, loss on every
+token. Labels are masked by position, never by token id: SmolLM2's pad token is also its
+end-of-turn token, which the model must learn to emit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import durable
+from .errors import DataError
+from .home import cache_dir
+
+FORMAT_VERSION = 1  # bump when tokenisation changes, so stale caches are not reused
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """A validated data file: its rows and identity."""
+
+    path: Path
+    sha256: str
+    size: int
+    rows: list[dict]
+
+
+def _check_row(row: object) -> str | None:
+    """Why a parsed line is not a valid example, or None."""
+    if not isinstance(row, dict):
+        return "expected a JSON object"
+    has_messages, has_text = "messages" in row, "text" in row
+    if has_messages == has_text:
+        return 'needs exactly one of "messages" (a chat) or "text" (plain text)'
+    if has_text:
+        if not isinstance(row["text"], str) or not row["text"].strip():
+            return '"text" must be a non-empty string'
+        return None
+    messages = row["messages"]
+    if not isinstance(messages, list) or not messages:
+        return '"messages" must be a non-empty list'
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+            return f'messages[{i}] must be an object with "role" and "content"'
+        if message.get("role") not in ROLES:
+            return f'messages[{i}].role is {message.get("role")!r}; use one of {", ".join(ROLES)}'
+        if not isinstance(message.get("content"), str):
+            return f'messages[{i}].content must be a string'
+    if not any(m["role"] == "assistant" and m["content"] for m in messages):
+        return "a chat needs at least one non-empty assistant message (the loss is on assistant tokens)"
+    return None
+
+
+def read_jsonl(path: Path) -> DataFile:
+    """Read and validate every line; raise one DataError listing the first bad lines."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the data file: {exc}") from None
+    rows, problems = [], []
+    for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        reason = _check_row(row)
+        if reason:
+            problems.append(f"{path}:{number}: {reason}")
+        else:
+            rows.append({"line": number, **row})
+    if problems:
+        shown = "\n".join(f"  - {p}" for p in problems[:10])
+        more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise DataError(f"{len(problems)} bad line(s) in {path}; fix them and run again:\n{shown}{more}")
+    if not rows:
+        raise DataError(f"{path}: no examples (the file is empty)")
+    return DataFile(path, hashlib.sha256(raw).hexdigest(), len(raw), rows)
+
+
+def _render(tokenizer, messages, generation_prompt=False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def encode_row(row: dict, tokenizer, max_length: int, source: str) -> tuple[list[int], list[int]]:
+    """Token ids and a 0/1 mask of the positions that carry loss."""
+    if "text" in row:
+        ids = tokenizer(row["text"], add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
+        ids = ids[:max_length]
+        return ids, [1] * len(ids)
+    messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    full = _render(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(_render(tokenizer, messages[:i], generation_prompt=True)) if i else 0
+        turn = _render(tokenizer, messages[: i + 1])
+        if not full.startswith(turn) or (i and not turn.startswith(_render(tokenizer, messages[:i], True))):
+            raise DataError(f"{source}:{row['line']}: the tokenizer's chat template does not render "
+                            "this chat turn by turn; assistant tokens cannot be located")
+        spans.append((start, len(turn)))
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"][:max_length], encoded["offset_mapping"][:max_length]
+    mask = [int(any(s <= begin < e for s, e in spans)) for begin, _ in offsets]
+    if not any(mask):
+        raise DataError(f"{source}:{row['line']}: no assistant token is left after truncation to "
+                        f"[data] max_length = {max_length}; raise max_length or shorten the chat")
+    return ids, mask
+
+
+class TokenizedSet:
+    """Examples stored flat (ids, loss mask, offsets) so they cache as safetensors, not pickle."""
+
+    def __init__(self, ids, mask, offsets, lines):
+        self.ids, self.mask, self.offsets, self.lines = ids, mask, offsets, lines
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def example(self, index: int):
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self.ids[start:end], self.mask[start:end]
+
+    def tokens(self) -> int:
+        return int(self.mask.sum())
+
+
+def tokenize(data: DataFile, tokenizer, tokenizer_sha: str, max_length: int) -> TokenizedSet:
+    """Tokenise a validated file, reusing the cache keyed by content, tokenizer and max length."""
+    import torch
+    from safetensors.torch import load_file, save
+
+    key = hashlib.sha256(f"{FORMAT_VERSION}|{data.sha256}|{tokenizer_sha}|{max_length}".encode()).hexdigest()
+    cached = cache_dir("tokens") / f"{key[:32]}.safetensors"
+    if cached.is_file():
+        try:
+            t = load_file(str(cached))
+            return TokenizedSet(t["ids"], t["mask"], t["offsets"], t["lines"])
+        except Exception:  # a damaged cache is rebuilt, never trusted
+            cached.unlink(missing_ok=True)
+    all_ids, all_mask, offsets = [], [], [0]
+    for row in data.rows:
+        ids, mask = encode_row(row, tokenizer, max_length, str(data.path))
+        all_ids += ids
+        all_mask += mask
+        offsets.append(len(all_ids))
+    tensors = {
+        "ids": torch.tensor(all_ids, dtype=torch.int64),
+        "mask": torch.tensor(all_mask, dtype=torch.uint8),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "lines": torch.tensor([r["line"] for r in data.rows], dtype=torch.int64),
+    }
+    durable.atomic_write(cached, save(tensors))
+    return TokenizedSet(tensors["ids"], tensors["mask"], tensors["offsets"], tensors["lines"])
+
+
+def split_indices(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, eval) index split of ``n`` examples."""
+    import numpy as np
+
+    if fraction <= 0 or n < 2:
+        return list(range(n)), []
+    order = np.random.default_rng([seed, 0xE7A1]).permutation(n)
+    n_eval = min(n - 1, max(1, round(n * fraction)))
+    return sorted(order[n_eval:].tolist()), sorted(order[:n_eval].tolist())
+
+
+class Sampler:
+    """Example order as a pure function of (seed, epoch, position).
+
+    Global position g maps to epoch g // n and place g % n in that epoch's permutation, so a
+    resumed run jumps straight to its place: nothing is replayed.
+    """
+
+    def __init__(self, indices: list[int], seed: int):
+        self.indices, self.seed = list(indices), seed
+        self._epoch, self._order = -1, None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def at(self, position: int) -> int:
+        import numpy as np
+
+        epoch, place = divmod(position, len(self.indices))
+        if epoch != self._epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.indices))
+            self._epoch = epoch
+        return self.indices[int(self._order[place])]
+
+    def epoch_of(self, position: int) -> float:
+        return position / len(self.indices)
+
+
+def collate(dataset: TokenizedSet, indices: list[int], pad_id: int):
+    """Right-padded batch: input_ids, attention_mask and labels (-100 where no loss)."""
+    import torch
+
+    examples = [dataset.example(i) for i in indices]
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    for row, (ids, mask) in enumerate(examples):
+        input_ids[row, : len(ids)] = ids
+        attention[row, : len(ids)] = 1
+        labels[row, : len(ids)] = torch.where(mask.bool(), ids, torch.tensor(-100))
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}

@@ -1,0 +1,99 @@
+"""The only place that writes files durably.
+
+Every write that must survive a power cut goes through here: write, fsync the file, rename,
+fsync the folder. Two test hooks live here too:
+
+- Fault points: ``fault_point(name)`` kills the process at once with SIGKILL when the environment
+  variable ``LODGER_FAULT`` names it (``name`` or ``name@N`` for its N-th occurrence, 1-based).
+- A recorder: ``set_recorder(obj)`` receives every durable operation, so a test can rebuild a
+  folder from only what had been fsynced at any moment (power-loss simulation).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Protocol
+
+FAULT_ENV = "LODGER_FAULT"
+_fault_counts: dict[str, int] = {}
+
+
+class Recorder(Protocol):
+    def record(self, op: str, path: Path, dest: Path | None = None) -> None: ...
+
+
+_recorder: Recorder | None = None
+
+
+def set_recorder(recorder: Recorder | None) -> None:
+    """Install (or remove, with None) an observer of durable operations; for tests."""
+    global _recorder
+    _recorder = recorder
+
+
+def _record(op: str, path: Path, dest: Path | None = None) -> None:
+    if _recorder is not None:
+        _recorder.record(op, Path(path), None if dest is None else Path(dest))
+
+
+def fault_point(name: str) -> None:
+    """Die here, now, with SIGKILL if the test harness asked for it through $LODGER_FAULT."""
+    wanted = os.environ.get(FAULT_ENV)
+    if not wanted:
+        return
+    target, _, nth = wanted.partition("@")
+    if target != name:
+        return
+    _fault_counts[name] = _fault_counts.get(name, 0) + 1
+    if _fault_counts[name] >= int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of a folder (creations, renames, deletions) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _record("fsync_dir", path)
+
+
+def mkdir(path: Path) -> None:
+    """Create a folder; durable only once its parent is fsynced."""
+    path.mkdir()
+    _record("mkdir", path)
+
+
+def write_file(path: Path, data: bytes | memoryview) -> None:
+    """Write a new file and fsync it. Its name is durable only once the folder is fsynced."""
+    with open(path, "wb") as fh:
+        _record("create", path)
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _record("fsync", path)
+
+
+def rename(src: Path, dst: Path) -> None:
+    """Atomic rename within one file system; durable once the parent folder is fsynced."""
+    os.rename(src, dst)
+    _record("rename", src, dst)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a folder and what it holds (durable once the parent is fsynced)."""
+    shutil.rmtree(path, ignore_errors=True)
+    _record("rmtree", path)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that a reader sees the old or the new content, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_file(tmp, data)
+    rename(tmp, path)
+    fsync_dir(path.parent)

@@ -1,0 +1,43 @@
+"""Every error lodger raises on purpose. Only the CLI turns them into messages and exit codes."""
+
+
+class LodgerError(Exception):
+    """Base of all expected failures; the message is meant for the user as it is."""
+
+    exit_code = 1
+
+
+class JobFileError(LodgerError):
+    """The job file cannot be read or does not validate; the message lists every problem."""
+
+    exit_code = 2
+
+
+class DataError(LodgerError):
+    """A data file is missing, unreadable or has a bad line (file and line number are named)."""
+
+    exit_code = 2
+
+
+class ModelSourceError(LodgerError):
+    """The model source cannot be resolved on this machine (lodger never downloads)."""
+
+    exit_code = 2
+
+
+class CheckpointError(LodgerError):
+    """A checkpoint is damaged or none usable exists."""
+
+
+class RunNotFound(LodgerError):
+    """No run with the given id (or unique prefix) exists under $LODGER_HOME."""
+
+    exit_code = 2
+
+
+class RunStateError(LodgerError):
+    """The run is in a state that does not allow the operation (e.g. resuming a finished run)."""
+
+
+class LedgerError(LodgerError):
+    """The ledger database cannot be opened or migrated."""

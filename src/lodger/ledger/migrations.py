@@ -1,0 +1,48 @@
+"""Schema changes as named, ordered migrations. Append new ones; never edit an applied one."""
+
+MIGRATIONS: list[tuple[str, str]] = [
+    ("0001_runs_events_metrics", """
+        CREATE TABLE runs (
+            id TEXT PRIMARY KEY,
+            name TEXT,
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            status TEXT NOT NULL,
+            model TEXT,
+            method TEXT,
+            job_hash TEXT,
+            job_toml TEXT,
+            step INTEGER NOT NULL DEFAULT 0,
+            total_steps INTEGER,
+            loss REAL,
+            pid INTEGER,
+            segment INTEGER NOT NULL DEFAULT 0
+        );
+        CREATE TABLE events (
+            seq INTEGER PRIMARY KEY,
+            run_id TEXT,
+            time REAL NOT NULL,
+            kind TEXT NOT NULL,
+            data TEXT NOT NULL,
+            prev_hash TEXT NOT NULL,
+            hash TEXT NOT NULL
+        );
+        CREATE INDEX events_run ON events(run_id, seq);
+        CREATE TABLE chain_head (id INTEGER PRIMARY KEY CHECK (id = 1), seq INTEGER NOT NULL, hash TEXT NOT NULL);
+        CREATE TABLE metrics (
+            run_id TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            step INTEGER NOT NULL,
+            segment INTEGER NOT NULL,
+            data TEXT NOT NULL,
+            PRIMARY KEY (run_id, kind, step)
+        );
+        CREATE TABLE provenance (
+            run_id TEXT NOT NULL,
+            segment INTEGER NOT NULL,
+            time REAL NOT NULL,
+            data TEXT NOT NULL,
+            PRIMARY KEY (run_id, segment)
+        );
+    """),
+]

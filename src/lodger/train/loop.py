@@ -1,0 +1,98 @@
+"""The training loop: one function, read top to bottom.
+
+Per optimizer step: learning rate, the step's micro-batches from the sampler, forward and
+backward with the loss normalised over the whole step's target tokens, clip, finite check,
+update, log, eval when due, checkpoint when due or when asked to stop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..data import collate
+from .optim import lr_at
+
+if TYPE_CHECKING:
+    from ..session import Session
+
+
+def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross entropy over positions with a label, and how many there were."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+    return loss, int((labels != -100).sum())
+
+
+@torch.no_grad()
+def evaluate(s: "Session") -> float | None:
+    """Token-weighted mean loss on the held-out set (None when there is none)."""
+    if s.eval_set is None or not s.eval_indices:
+        return None
+    s.model.eval()
+    total, count, size = 0.0, 0, s.job.training.batch_size
+    for start in range(0, len(s.eval_indices), size):
+        batch = collate(s.eval_set, s.eval_indices[start:start + size], s.pad_id)
+        loss, n = token_loss_sum(s.model, batch)
+        total += loss.item()  # .item() syncs with the device; fine once per eval batch
+        count += n
+    s.model.train()
+    return total / max(count, 1)
+
+
+def train(s: "Session") -> str:
+    """Run from ``s.progress`` to the last step; return "finished" or "interrupted"."""
+    cfg, p = s.job.training, s.progress
+    micro, accum = cfg.batch_size, cfg.grad_accum
+    params = [q for q in s.model.parameters() if q.requires_grad]
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+    s.model.train()
+    if p.step == 0 and not s.has_eval_at(0):
+        s.record_eval(0, evaluate(s))
+    last_save = time.monotonic()
+    while p.step < s.total_steps:
+        started = time.perf_counter()
+        lr = lr_at(p.step, s.total_steps, cfg)
+        for group in s.optimizer.param_groups:
+            group["lr"] = lr
+        ids = [s.sampler.at(p.position + k) for k in range(micro * accum)]
+        batches = [collate(s.train_set, ids[i * micro:(i + 1) * micro], s.pad_id) for i in range(accum)]
+        step_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        for batch in batches:
+            s.control.checkpoint_boundary()  # microseconds; where hold/yield requests are answered
+            loss, _ = token_loss_sum(s.model, batch)
+            loss = loss / step_tokens
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        loss_value, norm_value = loss_sum.item(), grad_norm.item()  # one device sync per step
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        if finite:
+            s.optimizer.step()
+        s.optimizer.zero_grad(set_to_none=True)
+        p.step += 1
+        p.position += micro * accum
+        p.tokens += step_tokens
+        elapsed = time.perf_counter() - started
+        s.record_step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens, seconds=elapsed,
+                      skipped=not finite, samples=[int(s.train_set.lines[i]) for i in ids] if not finite else None)
+        if cfg.eval_every and p.step % cfg.eval_every == 0 and p.step < s.total_steps:
+            s.record_eval(p.step, evaluate(s))
+        ck = s.job.checkpoints
+        due = (ck.every_steps is not None and p.step % ck.every_steps == 0) or (
+            ck.every_seconds is not None and time.monotonic() - last_save >= ck.every_seconds)
+        if p.step == s.total_steps:
+            s.record_eval(p.step, evaluate(s))
+        if due or s.control.stop or p.step == s.total_steps:
+            s.save_checkpoint()
+            last_save = time.monotonic()
+        if s.control.stop and p.step < s.total_steps:
+            return "interrupted"
+    return "finished"

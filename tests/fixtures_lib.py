@@ -1,0 +1,269 @@
+"""Builders for tiny, randomly initialised Llama-architecture test models and toy data.
+
+Plain functions (no pytest dependency) so that ``tests/conftest.py`` as well as
+standalone scripts (benchmarks, smoke scripts) can use them::
+
+    import sys; sys.path.insert(0, "tests")
+    from fixtures_lib import build_tiny_model, write_chat_jsonl, write_text_jsonl
+
+Nothing here touches the network: the tokenizer is a byte-level BPE trained
+in-process on a small fixed corpus, and the model weights are random.
+
+The model folder mimics SmolLM2-Instruct closely enough to exercise the same
+code paths: ChatML chat template (with a default system prompt injected when the
+conversation has none), ``eos == pad == <|im_end|>``, tied embeddings, GQA.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "CHAT_TEMPLATE",
+    "DEFAULT_SYSTEM_PROMPT",
+    "build_tiny_tokenizer",
+    "build_tiny_model",
+    "make_chat_records",
+    "make_text_records",
+    "write_chat_jsonl",
+    "write_text_jsonl",
+]
+
+# Same order as SmolLM2: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|im_end|>"  # deliberately == eos, as in SmolLM2
+UNK_TOKEN = "<|endoftext|>"
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+# SmolLM2-Instruct's template, with a shorter default system prompt.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+DEFAULT_TOKENIZER_VOCAB = 384
+
+_WORDS = (
+    "red blue green cat dog sun moon tree fish bird star rock milk cake book "
+    "door lamp rain snow wind fire ship road hill lake"
+).split()
+_SYSTEM_PROMPTS = (
+    "You are a concise assistant.",
+    "Answer with as few words as possible.",
+    "You are a careful calculator.",
+)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _task(rng: random.Random) -> tuple[str, str]:
+    """One (prompt, answer) pair from a few tiny, fully deterministic tasks."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b = rng.randrange(10), rng.randrange(10)
+        return f"What is {a} + {b}?", f"{a} + {b} = {a + b}."
+    if kind == 1:
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(2, 4))]
+        return f"Reverse the words: {' '.join(words)}", " ".join(reversed(words))
+    if kind == 2:
+        word = rng.choice(_WORDS)
+        return f"Spell the word {word}.", "-".join(word)
+    start = rng.randrange(10)
+    return (
+        f"Count up from {start}.",
+        " ".join(str(start + i) for i in range(5)),
+    )
+
+
+def make_chat_records(n: int, seed: int) -> list[dict]:
+    """``n`` chat records ``{"messages": [...]}``; every 3rd has a system message,
+    every 4th is multi-turn (two user/assistant exchanges)."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        messages = []
+        if i % 3 == 1:
+            messages.append({"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)})
+        turns = 2 if i % 4 == 2 else 1
+        for _ in range(turns):
+            prompt, answer = _task(rng)
+            messages.append({"role": "user", "content": prompt})
+            messages.append({"role": "assistant", "content": answer})
+        records.append({"messages": messages})
+    return records
+
+
+def make_text_records(n: int, seed: int) -> list[dict]:
+    """``n`` plain-text records ``{"text": ...}``."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        prompt, answer = _task(rng)
+        records.append({"text": f"Question: {prompt}\nAnswer: {answer}"})
+    return records
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8", newline="\n") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_chat_jsonl(path: Path, n: int, seed: int) -> Path:
+    """Write ``n`` deterministic chat lines ``{"messages": [...]}`` to ``path``."""
+    return _write_jsonl(path, make_chat_records(n, seed))
+
+
+def write_text_jsonl(path: Path, n: int, seed: int) -> Path:
+    """Write ``n`` deterministic text lines ``{"text": ...}`` to ``path``."""
+    return _write_jsonl(path, make_text_records(n, seed))
+
+
+# ---------------------------------------------------------------------- tokenizer
+
+
+def _corpus() -> list[str]:
+    lines = [DEFAULT_SYSTEM_PROMPT, *_SYSTEM_PROMPTS, "system", "user", "assistant"]
+    for rec in make_chat_records(200, seed=1234):
+        for m in rec["messages"]:
+            lines.append(f"{m['role']}\n{m['content']}")
+    lines += [r["text"] for r in make_text_records(100, seed=4321)]
+    lines.append("The quick brown fox jumps over the lazy dog. Hello, world!")
+    return lines
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(vocab_size: int) -> str:
+    """Train the byte-level BPE once per vocab size; returns tokenizer.json text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok.to_str()
+
+
+def build_tiny_tokenizer(vocab: int | None = None):
+    """A ``PreTrainedTokenizerFast`` (``TokenizersBackend`` in transformers 5) with
+    SmolLM2-style special tokens and ChatML chat template. ``vocab`` is the BPE
+    training target size (default 384; at least 256 bytes + 3 specials)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_size = DEFAULT_TOKENIZER_VOCAB if vocab is None else int(vocab)
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab must be >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)],
+        model_max_length=512,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+# -------------------------------------------------------------------------- model
+
+
+def build_tiny_model(
+    dir: Path,
+    *,
+    seed: int = 0,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 64,
+    vocab: int | None = None,
+) -> Path:
+    """Write a complete, loadable Hugging Face Llama folder into ``dir`` and return it.
+
+    Contents: ``config.json``, ``generation_config.json``, ``model.safetensors``
+    (float32, tied embeddings), ``tokenizer.json``, ``tokenizer_config.json`` and
+    the chat template. ``vocab`` is the tokenizer's BPE target size; the model's
+    ``vocab_size`` is always ``len(tokenizer)``. Same arguments -> byte-identical
+    ``model.safetensors``. The global torch RNG state is left untouched.
+    """
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    if hidden % heads or heads % kv_heads:
+        raise ValueError("hidden must be divisible by heads, and heads by kv_heads")
+
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tiny_tokenizer(vocab)
+    bos_id = tokenizer.convert_tokens_to_ids(BOS_TOKEN)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        tie_word_embeddings=True,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_cache=True,
+    )
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
+
+    model.generation_config = GenerationConfig(
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id
+    )
+    model.save_pretrained(dir, safe_serialization=True)
+    tokenizer.save_pretrained(dir)
+    return dir
