@@ -83,7 +83,8 @@ def _job_hash(job: JobConfig) -> str:
     return hashlib.sha256(json.dumps(job.resolved_dict(), sort_keys=True).encode()).hexdigest()
 
 
-def create_run(job_path: Path, threads: int | None = None) -> tuple[str, Prepared]:
+def create_run(job_path: Path, threads: int | None = None, *, name: str | None = None,
+               reproduces: str | None = None) -> tuple[str, Prepared]:
     """Validate a job file and create its run (folder and ledger row) atomically."""
     job = load_job(job_path)
     if threads is not None:
@@ -91,7 +92,7 @@ def create_run(job_path: Path, threads: int | None = None) -> tuple[str, Prepare
     if job.training.threads is None:
         job.training.threads = len(os.sched_getaffinity(0))
     prepared = prepare(job)
-    name = job.name or Path(job_path).stem
+    name = name or job.name or Path(job_path).stem
     run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     tmp = runs_dir() / f".tmp-{run_id}"
     durable.mkdir(tmp)
@@ -102,7 +103,7 @@ def create_run(job_path: Path, threads: int | None = None) -> tuple[str, Prepare
     with Ledger() as ledger:
         ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
                           job_hash=_job_hash(job), job_toml=to_toml(job.resolved_dict()),
-                          total_steps=prepared.total_steps, pid=None)
+                          total_steps=prepared.total_steps, pid=None, reproduces=reproduces)
     return run_id, prepared
 
 
@@ -198,15 +199,20 @@ class Session:
             fh.write(json.dumps(record) + "\n")
         self.pending.append(record)
 
-    def truncate_metrics(self, step: int) -> None:
-        """Drop metric lines after ``step``: that work was lost with the process and is done again."""
+    def truncate_metrics(self, step: int) -> int:
+        """Drop metric lines after ``step``: that work was lost with the process and is done again.
+
+        Returns the last step the previous process had reached (where it was interrupted)."""
         path = self.dir / "metrics.jsonl"
+        reached = step
         if path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= step]
-            durable.atomic_write(path, "".join(k + "\n" for k in kept).encode())
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            reached = max([step] + [r["step"] for r in records])
+            kept = [json.dumps(r) + "\n" for r in records if r["step"] <= step]
+            durable.atomic_write(path, "".join(kept).encode())
         with self.ledger.transaction() as db:
             db.execute("DELETE FROM metrics WHERE run_id=? AND step>?", (self.run_id, step))
+        return reached
 
     def record_step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
                     skipped: bool, samples: list[int] | None) -> None:
@@ -319,6 +325,7 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         if stale:
             reporter.message(f"removed {len(stale)} unfinished checkpoint folder(s)")
         run = ledger.run(run_id)
+        session.resumed_from = (0, 0)
         if resuming:
             _resume_state(session, run)
         session.progress.segment = run["segment"] + 1 if resuming else 0
@@ -327,9 +334,10 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         ledger.add_provenance(run_id, session.progress.segment, record)
         _write_provenance_json(folder, ledger.provenance(run_id))
         ledger.update_run(run_id, pid=os.getpid(), segment=session.progress.segment)
+        lost = {"lost_after_step": session.resumed_from[1]} if resuming else {}
         ledger.set_status(run_id, "running", "resumed" if resuming else "started",
                           step=session.progress.step, segment=session.progress.segment, pid=os.getpid(),
-                          threads=session.job.training.threads)
+                          threads=session.job.training.threads, **lost)
         reporter.message(f"run {run_id}: {'resuming at' if resuming else 'starting at'} step "
                          f"{session.progress.step}/{session.total_steps} "
                          f"({len(prepared.train_indices)} train / {len(prepared.eval_indices)} eval examples, "
@@ -377,7 +385,7 @@ def _resume_state(session: Session, run: dict) -> None:
     ckpt = session.store.latest_good(on_damaged=damaged)
     if ckpt is None:
         session.reporter.message("no usable checkpoint: starting again from step 0")
-        session.truncate_metrics(-1)
+        session.resumed_from = (0, session.truncate_metrics(-1))
         return
     state = json.loads(ckpt.files["state.json"])
     for key, now in (("train_sha256", session.p.train_file.sha256),
@@ -390,7 +398,7 @@ def _resume_state(session: Session, run: dict) -> None:
         raise RunStateError(f"run {session.run_id}: the model changed since the checkpoint (recorded "
                             f"{state['model_sha256']}, now {session.p.source.sha256})")
     differences = session.restore(ckpt)
-    session.truncate_metrics(ckpt.step)
+    session.resumed_from = (ckpt.step, session.truncate_metrics(ckpt.step))
     if differences:
         session.ledger.event(session.run_id, "drift", step=ckpt.step, differences=differences)
         session.reporter.message("warning: resuming on a different setup; the result is no longer bitwise "

@@ -39,9 +39,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import demo, runs, train
+    from . import compare, demo, runs, train
 
-    for module in (train, runs, demo):
+    for module in (train, runs, compare, demo):
         for command in module.COMMANDS:
             cli.add_command(command)
 

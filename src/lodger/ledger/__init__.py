@@ -133,15 +133,17 @@ class Ledger:
 
     # -- runs --------------------------------------------------------------------------------
     def create_run(self, run_id: str, *, name: str | None, model: str, method: str, job_hash: str,
-                   job_toml: str, total_steps: int, pid: int | None) -> None:
+                   job_toml: str, total_steps: int, pid: int | None, reproduces: str | None = None) -> None:
         now = time.time()
         with self.transaction():
             self.db.execute(
                 "INSERT INTO runs (id, name, created, updated, status, model, method, job_hash, job_toml,"
                 " total_steps, pid) VALUES (?, ?, ?, ?, 'created', ?, ?, ?, ?, ?, ?)",
                 (run_id, name, now, now, model, method, job_hash, job_toml, total_steps, pid))
-            self._append_event(run_id, "created", {"job_hash": job_hash, "model": model, "method": method,
-                                                   "total_steps": total_steps})
+            data = {"job_hash": job_hash, "model": model, "method": method, "total_steps": total_steps}
+            if reproduces:
+                data["reproduces"] = reproduces
+            self._append_event(run_id, "created", data)
 
     def update_run(self, run_id: str, **fields: Any) -> None:
         if not fields:

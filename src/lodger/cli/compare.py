@@ -1,0 +1,200 @@
+"""Commands about a finished record: compare, reproduce, export."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import click
+
+from ..errors import LodgerError, RunStateError
+
+
+def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
+    if as_json:
+        click.echo(json.dumps(c.as_dict(), indent=1, default=str))
+        return
+    click.echo(f"A = {c.a}\nB = {c.b}")
+    click.echo("job:          " + ("same" if not c.job_differences else
+                                   "; ".join(f"{k}: {va!r} vs {vb!r}" for k, (va, vb) in c.job_differences.items())))
+    click.echo("data/model:   " + ("same hashes" if not c.data_differences else "; ".join(c.data_differences)))
+    click.echo("environment:  " + ("same" if not c.environment_differences else "; ".join(c.environment_differences)))
+    for run_id, changes in c.drift.items():
+        click.echo(f"drift in {run_id}: " + "; ".join(changes))
+    for run_id, items in c.interruptions.items():
+        if items:
+            click.echo(f"interruptions of {run_id}: " + ", ".join(f"{k}@{s}" + (f" ({r})" if r else "")
+                                                                 for k, s, r in items))
+    shown = c.losses if len(c.losses) <= limit else c.losses[: limit // 2] + [None] + c.losses[-limit // 2:]
+    click.echo(f"{'step':>6}  {'loss A':>12}  {'loss B':>12}  {'|A-B|':>10}")
+    for row in shown:
+        if row is None:
+            click.echo(f"{'...':>6}")
+            continue
+        step, la, lb = row
+        diff = f"{abs(la - lb):.3g}" if la is not None and lb is not None else "-"
+        fmt = lambda v: f"{v:.6f}" if v is not None else "-"  # noqa: E731
+        click.echo(f"{step:>6}  {fmt(la):>12}  {fmt(lb):>12}  {diff:>10}")
+    if c.max_loss_diff is not None:
+        click.echo(f"largest per-step loss difference: {c.max_loss_diff:.3g} (step {c.max_loss_diff_step})")
+    for run_id, evals in c.evals.items():
+        if evals:
+            click.echo(f"eval {run_id}: " + ", ".join(f"{s}:{v:.4f}" for s, v in evals))
+    if c.weights_equal is not None:
+        click.echo("final trainable weights: " + ("bitwise equal" if c.weights_equal else
+                                                   f"largest absolute difference {c.max_weight_diff}"))
+    click.echo(f"verdict: {c.verdict}")
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.argument("other", metavar="OTHER")
+@click.option("--tolerance", type=float, default=1e-5, show_default=True,
+              help="Largest loss and weight difference still called equal (when not bitwise).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write both loss curves, with interruptions and resumes marked, to this PNG.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def compare(run_id: str, other: str, tolerance: float, plot_path: Path | None, as_json: bool) -> None:
+    """Compare RUN with OTHER (e.g. a resumed run with its baseline) and give a verdict.
+
+    Shows differences in job, environment and data, per-step losses side by side, eval losses,
+    whether the final trainable weights are bitwise equal, and each run's interruptions.
+    Exits 0 when the runs are equal (bitwise or within tolerance), 1 otherwise.
+
+    Example: lodger compare my-job-resumed my-job-baseline --plot cmp.png
+    """
+    from ..compare import compare_runs, plot
+
+    c = compare_runs(run_id, other, tolerance)
+    _print_comparison(c, as_json)
+    if plot_path:
+        plot(c, plot_path)
+        if not as_json:
+            click.echo(f"plot: {plot_path}")
+    if not c.equal:
+        raise SystemExit(1)
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--quiet", is_flag=True, help="Only errors and the verdict on the terminal.")
+def reproduce(run_id: str, quiet: bool) -> None:
+    """Run RUN's job again from scratch, from its record, and compare with the original.
+
+    Refuses when a data file or the model no longer matches the hash recorded for RUN.
+
+    Example: lodger reproduce my-job-20261129-101500-ab12
+    """
+    from ..home import run_dir
+    from ..ledger import Ledger
+    from ..session import JOB_FILE, create_run, execute
+    from .. import config
+    from ..model import resolve_source
+    from ..checkpoint import hash_file
+
+    with Ledger() as ledger:
+        run = ledger.find_run(run_id)
+        record = ledger.provenance(run["id"])
+    if not record:
+        raise RunStateError(f"run {run['id']} has no provenance record; it never started")
+    original = record[0]
+    job = config.load_job(run_dir(run["id"]) / JOB_FILE)
+    problems = []
+    for part, path in (("train", job.data.train), ("eval", job.data.eval)):
+        want = original["data"].get(part)
+        if want is None or path is None:
+            continue
+        now = hash_file(path) if path.is_file() else "missing"
+        if now != want["sha256"]:
+            problems.append(f"[data] {part} = {path}: recorded sha256 {want['sha256']}, now {now}")
+    model_now = resolve_source(job.model.source).sha256
+    if model_now != original["model"]["sha256"]:
+        problems.append(f"[model] source = {job.model.source}: recorded sha256 {original['model']['sha256']}, "
+                        f"now {model_now}")
+    if problems:
+        raise LodgerError("cannot reproduce: inputs changed since the run:\n" + "\n".join(f"  - {p}" for p in problems)
+                          + "\nrestore the original files, or start a new run with `lodger run`")
+    threads = original["numerics"]["threads"]
+    new_id, prepared = create_run(run_dir(run["id"]) / JOB_FILE, threads, name=f"{run['name']}-repro",
+                                  reproduces=run["id"])
+    click.echo(f"run {new_id} (reproducing {run['id']})")
+    status = execute(new_id, prepared, resuming=False, quiet=quiet)
+    if status != "finished":
+        click.echo(f"reproduction {status}; continue it with `lodger resume {new_id}`")
+        raise SystemExit(1)
+    from ..compare import compare_runs
+
+    c = compare_runs(new_id, run["id"])
+    click.echo(f"verdict: {c.verdict}")
+    if not c.equal:
+        raise SystemExit(1)
+
+
+@click.command(name="export")
+@click.argument("run_id", metavar="RUN")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+def export(run_id: str, dest: Path) -> None:
+    """Put RUN's adapter, resolved job, provenance, metrics and a model card in DEST.
+
+    Example: lodger export my-job-20261129-101500-ab12 ./my-adapter
+    """
+    from ..compare import final_weights, total_compute
+    from ..home import run_dir
+    from ..ledger import Ledger
+
+    if dest.exists() and any(dest.iterdir()):
+        raise LodgerError(f"{dest} exists and is not empty; choose a new folder")
+    with Ledger() as ledger:
+        run = ledger.find_run(run_id)
+        events = ledger.events(run["id"])
+        provenance = ledger.provenance(run["id"])
+        evals = ledger.metrics(run["id"], "eval")
+    folder = run_dir(run["id"])
+    weights = final_weights(run["id"])
+    if weights is None:
+        raise RunStateError(f"run {run['id']} has no trainable weights yet (no checkpoint committed)")
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("adapter_model.safetensors", "adapter_config.json", "model.safetensors"):
+        if (weights.parent / name).is_file():
+            shutil.copyfile(weights.parent / name, tmp / name)
+    for name in ("job.toml", "provenance.json", "metrics.jsonl"):
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, tmp / name)
+    (tmp / "events.json").write_text(json.dumps(events, indent=1, default=str))
+    (tmp / "README.md").write_text(_model_card(run, provenance, evals, total_compute(events), weights))
+    if dest.exists():
+        dest.rmdir()
+    tmp.rename(dest)
+    click.echo(f"exported {run['id']} to {dest}")
+
+
+def _model_card(run: dict, provenance: list[dict], evals: list[dict], compute: dict, weights: Path) -> str:
+    first = provenance[0] if provenance else {}
+    model, data = first.get("model", {}), first.get("data", {})
+    ev = f"{evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f}" if evals else "n/a"
+    load = ("from peft import PeftModel\nmodel = PeftModel.from_pretrained(base_model, \"THIS_FOLDER\")"
+            if run["method"] == "lora" else "weights: model.safetensors (all trainable weights)")
+    return f"""# {run['id']}
+
+Fine-tuned with lodger {first.get('lodger_version', '?')} ({run['method']}), status **{run['status']}**,
+{run['step']}/{run['total_steps']} optimizer steps (from `{weights.parent.name}`).
+
+- Base model: `{model.get('source')}` (sha256 `{model.get('sha256')}`, tokenizer sha256 `{model.get('tokenizer_sha256')}`)
+- Training data: `{data.get('train', {}).get('path')}` (sha256 `{data.get('train', {}).get('sha256')}`,
+  {data.get('train', {}).get('lines')} lines); eval set sha256 `{data.get('eval_set_sha256')}`
+- Eval loss (first -> last): {ev}
+- Compute: {compute['wall_seconds']:.0f} s wall, {compute['cpu_seconds']:.0f} s CPU over {len(provenance)} segment(s)
+- Code: git `{first.get('code', {}).get('commit')}`{' (uncommitted changes)' if first.get('code', {}).get('dirty') else ''}
+
+The full record is in `job.toml`, `provenance.json`, `metrics.jsonl` and `events.json`.
+
+```python
+{load}
+```
+"""
+
+
+COMMANDS = [compare, reproduce, export]
