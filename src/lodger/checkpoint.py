@@ -39,6 +39,12 @@ def _sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _manifest_hash(manifest: dict) -> str:
+    """Covers every field of the manifest but this one, so a flipped bit anywhere in it is caught."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return _sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
 class CheckpointStore:
     """Saves, verifies, finds and prunes the checkpoints of one run."""
 
@@ -48,7 +54,11 @@ class CheckpointStore:
         self.root = Path(root)
         self.keep_last = keep_last
         self.world_size = world_size
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            # The folder's own name must be durable too, or every checkpoint in it can vanish with it.
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            durable.mkdir(self.root)
+            durable.fsync_dir(self.root.parent)
 
     # -- finding ---------------------------------------------------------------------------
     def committed(self) -> list[tuple[int, Path]]:
@@ -79,13 +89,18 @@ class CheckpointStore:
             raise CheckpointError(f"{path.name}: unreadable {MANIFEST}: {exc}") from None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise CheckpointError(f"{path.name}: {MANIFEST} has no file list")
+        if manifest.get("manifest_sha256") != _manifest_hash(manifest):
+            raise CheckpointError(f"{path.name}: {MANIFEST} does not match its own hash (corrupt)")
+        match = _STEP_DIR.match(path.name)
+        if match and int(match.group(1)) != manifest.get("step"):
+            raise CheckpointError(f"{path.name}: {MANIFEST} says step {manifest.get('step')!r}")
         files: dict[str, bytes] = {}
         for name, meta in manifest["files"].items():
             try:
                 data = (path / name).read_bytes()
             except OSError:
                 raise CheckpointError(f"{path.name}/{name}: missing") from None
-            if len(data) != meta.get("size"):
+            if not isinstance(meta, dict) or len(data) != meta.get("size"):
                 raise CheckpointError(f"{path.name}/{name}: size {len(data)}, manifest says {meta.get('size')}")
             if _sha256(data) != meta.get("sha256"):
                 raise CheckpointError(f"{path.name}/{name}: sha256 does not match the manifest (corrupt)")
@@ -98,7 +113,7 @@ class CheckpointStore:
             try:
                 return self.load(path)
             except CheckpointError as exc:
-                aside = self.root / f"damaged-{path.name}-{int(time.time())}"
+                aside = self.root / f"damaged-{path.name}-{int(time.time())}-{secrets.token_hex(2)}"
                 durable.rename(path, aside)
                 durable.fsync_dir(self.root)
                 if on_damaged is not None:
@@ -130,6 +145,7 @@ class CheckpointStore:
             "files": entries,
             **(info or {}),
         }
+        manifest["manifest_sha256"] = _manifest_hash(manifest)
         durable.write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         durable.fsync_dir(tmp)
         durable.fault_point("before_rename")

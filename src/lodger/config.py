@@ -12,9 +12,15 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from typing import Annotated
 
 from .errors import JobFileError
+
+
+# TOML has real numbers and booleans: `batch_size = true` is a mistake, not the number 1.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
 
 
 class _Section(BaseModel):
@@ -30,11 +36,11 @@ class ModelConfig(_Section):
 class MethodConfig(_Section):
     kind: Literal["lora", "full"] = "lora"
     """`lora` trains a small adapter (peft); `full` trains every weight of the model."""
-    rank: int = Field(8, ge=1, le=1024)
+    rank: Int = Field(8, ge=1, le=1024)
     """LoRA rank r: the width of the low-rank update."""
-    alpha: float = Field(16.0, gt=0)
+    alpha: Float = Field(16.0, gt=0)
     """LoRA alpha: the update is scaled by alpha / rank."""
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: Float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the LoRA input during training (0 disables it)."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
     """Names of the linear layers that get an adapter, e.g. ["q_proj", "k_proj", "v_proj", "o_proj"]."""
@@ -46,39 +52,39 @@ class DataConfig(_Section):
     Relative paths are taken from the job file's folder."""
     eval: Path | None = None
     """Held-out data in the same format. When absent, `eval_fraction` of `train` is held out."""
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    eval_fraction: Float = Field(0.1, ge=0.0, lt=1.0)
     """Share of the training lines held out for evaluation when `eval` is not given (0 disables eval)."""
-    max_length: int = Field(256, ge=8, le=131072)
+    max_length: Int = Field(256, ge=8, le=131072)
     """Tokens per example; longer examples are truncated."""
 
 
 class TrainingConfig(_Section):
-    steps: int | None = Field(None, ge=1)
+    steps: Int | None = Field(None, ge=1)
     """Number of optimizer steps. Give either `steps` or `epochs`."""
-    epochs: float | None = Field(None, gt=0)
+    epochs: Float | None = Field(None, gt=0)
     """Passes over the training data (may be fractional). Give either `steps` or `epochs`."""
-    batch_size: int = Field(4, ge=1)
+    batch_size: Int = Field(4, ge=1)
     """Examples per micro-batch (one forward and backward pass)."""
-    grad_accum: int = Field(1, ge=1)
+    grad_accum: Int = Field(1, ge=1)
     """Micro-batches accumulated into one optimizer step; the effective batch is batch_size * grad_accum."""
-    learning_rate: float = Field(2e-4, gt=0, le=1.0)
+    learning_rate: Float = Field(2e-4, gt=0, le=1.0)
     """Peak learning rate of AdamW, reached after warmup."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: Int = Field(0, ge=0)
     """Steps of linear warmup from 0 to `learning_rate`."""
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    """After warmup the rate follows a cosine down to learning_rate * min_lr_ratio at the last step."""
-    weight_decay: float = Field(0.0, ge=0.0)
+    min_lr_ratio: Float = Field(0.1, ge=0.0, le=1.0)
+    """After warmup the rate follows a cosine down to learning_rate * min_lr_ratio at the end of training."""
+    weight_decay: Float = Field(0.0, ge=0.0)
     """AdamW decoupled weight decay."""
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    """Clip the global gradient norm to this value; leave it out to disable clipping."""
-    seed: int = Field(0, ge=0, lt=2**63)
+    max_grad_norm: Float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: Int = Field(0, ge=0, lt=2**63)
     """Seeds the adapter's initial weights, dropout, the eval split and the data order."""
-    threads: int | None = Field(None, ge=1, le=1024)
+    threads: Int | None = Field(None, ge=1, le=1024)
     """CPU threads for torch. Left out, lodger uses every core and records the number it chose;
     results are bitwise comparable only at the same thread count."""
-    eval_every: int | None = Field(None, ge=1)
+    eval_every: Int | None = Field(None, ge=1)
     """Evaluate on the held-out set every this many steps (and always at the start and the end)."""
-    log_every: int = Field(1, ge=1)
+    log_every: Int = Field(1, ge=1)
     """Print the step line every this many steps (every step is still written to metrics.jsonl)."""
 
     @model_validator(mode="after")
@@ -91,11 +97,11 @@ class TrainingConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every_steps: int | None = Field(50, ge=1)
-    """Commit a checkpoint every this many optimizer steps."""
-    every_seconds: float | None = Field(None, gt=0)
+    every_steps: Int = Field(50, ge=0)
+    """Commit a checkpoint every this many optimizer steps (0: only by time, on stop and at the end)."""
+    every_seconds: Float | None = Field(None, gt=0)
     """Also commit one when this many seconds have passed since the last (checked at step boundaries)."""
-    keep_last: int = Field(3, ge=2)
+    keep_last: Int = Field(3, ge=2)
     """How many committed checkpoints to keep (at least 2, so a damaged newest one has a fallback)."""
 
 
@@ -157,12 +163,32 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc))}"
 
 
+def _cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
+    """Problems pydantic would report only once every field is valid; checked on the raw table so
+    they are listed together with everything else."""
+    problems = []
+    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    if "steps" in training and "epochs" in training:
+        problems.append(f"[training] steps = {training['steps']!r} and epochs = {training['epochs']!r}: "
+                        "give either `steps` or `epochs`, not both; fix: remove one of them")
+    elif isinstance(raw.get("training"), dict) and "steps" not in training and "epochs" not in training:
+        problems.append("[training] steps: missing; add `steps = N` or `epochs = N`")
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    for key in ("train", "eval"):
+        if isinstance(data.get(key), str) and not (base_dir / data[key]).is_file():
+            problems.append(f"[data] {key} = {data[key]!r}: file not found at {(base_dir / data[key]).resolve()}; "
+                            "fix the path (relative paths start at the job file's folder)")
+    return problems
+
+
 def parse_job(raw: dict[str, Any], source: str, base_dir: Path) -> JobConfig:
     """Validate an already parsed TOML table; relative data paths are resolved from ``base_dir``."""
+    problems = _cross_checks(raw, base_dir)
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = [_describe(e) for e in exc.errors()]
+        problems += [p for p in map(_describe, exc.errors()) if "`steps` or `epochs`" not in p]
+    if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}") from None
     data = job.data
@@ -172,10 +198,6 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path) -> JobConfig:
     source_path = Path(job.model.source).expanduser()
     if not source_path.is_absolute() and (base_dir / source_path).exists():
         job.model.source = str((base_dir / source_path).resolve())
-    missing = [p for p in (data.train, data.eval) if p is not None and not p.is_file()]
-    if missing:
-        listed = "\n".join(f"  - [data] {p.name}: file not found at {p}; fix the path" for p in missing)
-        raise JobFileError(f"{source}: {len(missing)} problem(s) in the job file:\n{listed}")
     return job
 
 
@@ -225,7 +247,7 @@ def to_toml(data: dict[str, Any]) -> str:
     return "\n".join(lines).lstrip() + "\n"
 
 
-_COMMENTED_EXAMPLES: dict[str, Any] = {"epochs": 1.0, "every_seconds": 600.0}
+_COMMENTED_EXAMPLES: dict[str, Any] = {"epochs": 1.0, "every_seconds": 600.0, "eval": "eval.jsonl"}
 
 
 def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl") -> str:

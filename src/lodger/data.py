@@ -108,7 +108,7 @@ def encode_row(row: dict, tokenizer, max_length: int, source: str) -> tuple[list
         if not full.startswith(turn) or (i and not turn.startswith(_render(tokenizer, messages[:i], True))):
             raise DataError(f"{source}:{row['line']}: the tokenizer's chat template does not render "
                             "this chat turn by turn; assistant tokens cannot be located")
-        spans.append((start, len(turn)))
+        spans.append((start, len(turn.rstrip())))  # through the end-of-turn token, not the newline after it
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"][:max_length], encoded["offset_mapping"][:max_length]
     mask = [int(any(s <= begin < e for s, e in spans)) for begin, _ in offsets]

@@ -51,7 +51,7 @@ def train(s: "Session") -> str:
     cfg, p = s.job.training, s.progress
     micro, accum = cfg.batch_size, cfg.grad_accum
     params = [q for q in s.model.parameters() if q.requires_grad]
-    max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+    max_norm = cfg.max_grad_norm or math.inf  # 0 disables clipping; the norm is still measured
     s.model.train()
     if p.step == 0 and not s.has_eval_at(0):
         s.record_eval(0, evaluate(s))
@@ -86,7 +86,7 @@ def train(s: "Session") -> str:
         if cfg.eval_every and p.step % cfg.eval_every == 0 and p.step < s.total_steps:
             s.record_eval(p.step, evaluate(s))
         ck = s.job.checkpoints
-        due = (ck.every_steps is not None and p.step % ck.every_steps == 0) or (
+        due = (ck.every_steps and p.step % ck.every_steps == 0) or (
             ck.every_seconds is not None and time.monotonic() - last_save >= ck.every_seconds)
         if p.step == s.total_steps:
             s.record_eval(p.step, evaluate(s))
