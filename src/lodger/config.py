@@ -105,6 +105,42 @@ class CheckpointConfig(_Section):
     """How many committed checkpoints to keep (at least 2, so a damaged newest one has a fallback)."""
 
 
+class PolicyConfig(_Section):
+    enabled: bool = True
+    """Let `lodger agent` pause this run by the rules below (and let `lodger serve` hold it)."""
+    max_foreign_cpu: Float | None = Field(0.5, gt=0, le=1)
+    """Yield while other processes use more than this share of all CPU cores (0-1)."""
+    max_foreign_memory: Float | None = Field(None, gt=0, le=1)
+    """Yield while other processes use more than this share of the machine's memory (0-1)."""
+    max_foreign_gpu_memory: Float | None = Field(None, gt=0, le=1)
+    """Yield while other processes use more than this share of GPU memory (0-1; needs a GPU)."""
+    pause_on_battery: bool = True
+    """Yield while the machine runs on battery."""
+    allowed_hours: str | None = Field(None, pattern=r"^\d{2}:\d{2}-\d{2}:\d{2}$")
+    """Train only inside these hours, e.g. "22:00-07:00" (may wrap midnight); outside them, yield."""
+    clear_seconds: Float = Field(10.0, ge=0)
+    """Continue once every condition has been clear for this many seconds."""
+    yield_mode: Literal["hold", "release"] = "hold"
+    """How to yield: `hold` keeps memory and stops using CPU; `release` checkpoints and exits."""
+    yield_to_inference: bool = True
+    """Hold while `lodger serve` answers requests (and for the grace period after)."""
+    inference_grace_seconds: Float = Field(3.0, ge=0)
+    """How long after the last inference request the run stays held."""
+
+
+class LimitsConfig(_Section):
+    nice: Int = Field(10, ge=0, le=19)
+    """CPU priority (nice value): higher is kinder to the owner's other work."""
+    ionice_idle: bool = True
+    """Use the idle I/O class, so checkpoints never slow the owner's disk work."""
+    memory_gb: Float | None = Field(None, gt=0)
+    """Memory ceiling (resident set, GiB): the run commits a checkpoint and stops before reaching it."""
+    gpu_memory_fraction: Float | None = Field(None, gt=0, le=1)
+    """Largest share of GPU memory the run may allocate."""
+    max_compute_hours: Float | None = Field(None, gt=0)
+    """Total CPU hours (over all segments) after which the run checkpoints and stops."""
+
+
 class JobConfig(_Section):
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     """Output name: the run id starts with it. Letters, digits, `_`, `.`, `-`."""
@@ -118,6 +154,10 @@ class JobConfig(_Section):
     """Optimisation settings."""
     checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """How often state is committed to disk."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    """When the run yields the machine to its owner (defaults: [policy] in $LODGER_HOME/config.toml)."""
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    """Resource limits, enforced and recorded (defaults: [limits] in $LODGER_HOME/config.toml)."""
 
     def resolved_dict(self) -> dict[str, Any]:
         """The job with every default filled in, as plain TOML-ready values."""
@@ -201,19 +241,58 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path) -> JobConfig:
     return job
 
 
-def load_job(path: str | Path) -> JobConfig:
-    """Read and validate a job file, raising one JobFileError that lists every problem."""
-    path = Path(path)
+def _read_toml(path: Path, what: str) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise JobFileError(f"{path}: no such job file; create one with `lodger init {path}`") from None
+        raise JobFileError(f"{path}: no such {what}; create one with `lodger init {path}`") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise JobFileError(f"{path}: cannot read the job file: {exc}") from None
+        raise JobFileError(f"{path}: cannot read the {what}: {exc}") from None
     try:
-        raw = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise JobFileError(f"{path}: not valid TOML: {exc}; fix the syntax at that line") from None
+
+
+USER_SECTIONS = {"policy": PolicyConfig, "limits": LimitsConfig}
+
+
+def user_defaults() -> dict[str, dict[str, Any]]:
+    """[policy] and [limits] defaults from $LODGER_HOME/config.toml (validated), plus [agent] settings."""
+    from .home import home
+
+    path = home() / "config.toml"
+    if not path.is_file():
+        return {}
+    raw = _read_toml(path, "user settings file")
+    problems = []
+    for section, table in raw.items():
+        if section == "agent":
+            continue
+        model = USER_SECTIONS.get(section)
+        if model is None:
+            problems.append(f"[{section}]: unknown section; fix: use [policy], [limits] or [agent]")
+            continue
+        try:
+            model.model_validate(table)
+        except ValidationError as exc:
+            problems += [f"[{section}] " + _describe({**e, "loc": e["loc"]}).removeprefix("[") for e in exc.errors()]
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise JobFileError(f"{path}: {len(problems)} problem(s) in the user settings:\n{listed}")
+    return raw
+
+
+def load_job(path: str | Path, *, use_user_defaults: bool = True) -> JobConfig:
+    """Read and validate a job file, raising one JobFileError that lists every problem.
+
+    [policy] and [limits] keys the job leaves out come from $LODGER_HOME/config.toml."""
+    path = Path(path)
+    raw = _read_toml(path, "job file")
+    if use_user_defaults:
+        for section, table in user_defaults().items():
+            if section in USER_SECTIONS and isinstance(raw.get(section, {}), dict):
+                raw[section] = {**table, **raw.get(section, {})}
     return parse_job(raw, str(path), path.resolve().parent)
 
 
@@ -247,7 +326,10 @@ def to_toml(data: dict[str, Any]) -> str:
     return "\n".join(lines).lstrip() + "\n"
 
 
-_COMMENTED_EXAMPLES: dict[str, Any] = {"epochs": 1.0, "every_seconds": 600.0, "eval": "eval.jsonl"}
+_COMMENTED_EXAMPLES: dict[str, Any] = {
+    "epochs": 1.0, "every_seconds": 600.0, "eval": "eval.jsonl", "max_foreign_memory": 0.8,
+    "max_foreign_gpu_memory": 0.5, "allowed_hours": "22:00-07:00", "memory_gb": 8.0,
+    "gpu_memory_fraction": 0.8, "max_compute_hours": 10.0, "eval_every": 50, "threads": 2, "steps": 100}
 
 
 def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl") -> str:
@@ -261,9 +343,12 @@ def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl") ->
                      "warmup_steps": 5, "min_lr_ratio": 0.1, "weight_decay": 0.0, "max_grad_norm": 1.0,
                      "seed": 0, "threads": 2, "eval_every": 20, "log_every": 5},
         "checkpoints": {"every_steps": 20, "keep_last": 3},
+        "policy": {},
+        "limits": {},
     }
     sections = {"model": ModelConfig, "method": MethodConfig, "data": DataConfig,
-                "training": TrainingConfig, "checkpoints": CheckpointConfig}
+                "training": TrainingConfig, "checkpoints": CheckpointConfig, "policy": PolicyConfig,
+                "limits": LimitsConfig}
     out = ["# lodger job file. Every key is optional unless marked required; run `lodger run FILE`.",
            "", "# " + JobConfig.model_fields["name"].description, 'name = "my-job"']
     for section, model in sections.items():

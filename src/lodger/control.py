@@ -1,22 +1,105 @@
-"""How a running job is told to stop, and how it answers.
+"""How a running job is told to pause, hold, continue or stop, and how it answers.
 
-SIGTERM or a first Ctrl-C asks for a checkpoint at the next step boundary and a clean exit;
-a second Ctrl-C exits at once. The loop calls ``checkpoint_boundary()`` at every micro-step; it
-costs an attribute read unless something was requested.
+Requests are small JSON files in ``runs/<run>/control/``, one per requester (``user``, ``agent``,
+``serve``, ``limit``), so that one requester's "continue" never cancels another's "hold". The
+strongest request wins: release > hold > run. A requester writes its file, then sends SIGUSR1 so
+the run notices at once; the run answers in ``control/state.json`` and in the ledger.
+
+- release: abandon the current step (its gradients are dropped and the RNG put back as it was
+  at the step's start), commit a checkpoint, exit. Frees all memory.
+- hold: stop at the next micro-step boundary, keep memory, sleep (no CPU) until released.
+
+SIGTERM or a first Ctrl-C: checkpoint at the next step boundary and exit 0; a second Ctrl-C
+exits at once. ``checkpoint_boundary()`` runs at every micro-step and costs an attribute read
+unless a signal arrived.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import durable
+
+REQUESTERS = ("user", "agent", "serve", "limit")
+STRENGTH = {"run": 0, "hold": 1, "release": 2}
+HOLD_POLL_SECONDS = 0.25  # while held: a few wake-ups a second, far below 1% of a core
+
+
+def control_dir(run_folder: Path) -> Path:
+    return Path(run_folder) / "control"
+
+
+def write_request(run_folder: Path, requester: str, state: str, reason: str, **measured) -> None:
+    """Ask a run to hold, release or run (``state``); the strongest request of all requesters wins."""
+    if requester not in REQUESTERS or state not in STRENGTH:
+        raise ValueError(f"bad control request {requester}/{state}")
+    folder = control_dir(run_folder)
+    folder.mkdir(exist_ok=True)
+    body = {"state": state, "by": requester, "reason": reason, "time": time.time(), **measured}
+    durable.atomic_write(folder / f"{requester}.json", json.dumps(body).encode())
+
+
+def clear_request(run_folder: Path, requester: str) -> None:
+    (control_dir(run_folder) / f"{requester}.json").unlink(missing_ok=True)
+
+
+def read_requests(run_folder: Path) -> dict[str, dict]:
+    found = {}
+    for requester in REQUESTERS:
+        try:
+            found[requester] = json.loads((control_dir(run_folder) / f"{requester}.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def effective(requests: dict[str, dict]) -> dict:
+    """The strongest request, or a plain "run"."""
+    best = {"state": "run", "by": None, "reason": None}
+    for request in requests.values():
+        if STRENGTH.get(request.get("state"), 0) > STRENGTH[best["state"]]:
+            best = request
+    return best
+
+
+def run_state(run_folder: Path) -> dict:
+    """What the run last said about itself (``running`` or ``held``), or {}."""
+    try:
+        return json.loads((control_dir(run_folder) / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def notify(pid: int) -> bool:
+    """Wake a run so it reads its requests now; False if the process is gone."""
+    try:
+        os.kill(pid, signal.SIGUSR1)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class ReleaseRequested(Exception):
+    """Raised inside a step when the run must give the machine back now."""
 
 
 class Control:
-    """Requests from outside (signals) that the loop answers at step boundaries."""
+    """The run's side: signal handlers, the micro-step check, holding and releasing."""
 
-    def __init__(self):
-        self.stop: str | None = None  # the reason a stop was requested, if it was
+    def __init__(self, run_folder: Path | None = None):
+        self.folder = run_folder
+        self.stop: str | None = None       # why a stop at the next step boundary was requested
+        self.release: dict | None = None   # the request that asks to release the machine now
+        self.on_hold: Callable[[dict], None] = lambda request: None
+        self.on_continue: Callable[[dict, float], None] = lambda request, seconds: None
+        self.step = 0
         self._interrupts = 0
+        self._dirty = run_folder is not None  # read requests once at start
 
     def request_stop(self, reason: str) -> None:
         if self.stop is None:
@@ -25,13 +108,54 @@ class Control:
     def install_signal_handlers(self) -> "Control":
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_int)
+        signal.signal(signal.SIGUSR1, self._on_usr1)
         return self
 
     def checkpoint_boundary(self) -> None:
-        """Called between micro-steps; the place where a pause could be honoured."""
+        """Called between micro-steps: answer hold and release requests. Cheap when nothing changed."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        request = effective(read_requests(self.folder))
+        if request["state"] == "release":
+            self.release = request
+            raise ReleaseRequested(request.get("reason"))
+        if request["state"] == "hold":
+            self._hold(request)
+
+    def _hold(self, request: dict) -> None:
+        started = time.monotonic()
+        self.announce("held", request)
+        self.on_hold(request)
+        while not self.stop:
+            time.sleep(HOLD_POLL_SECONDS)  # a signal (SIGUSR1, SIGTERM) marks us dirty; we look then
+            if self._dirty:
+                self._dirty = False
+                current = effective(read_requests(self.folder))
+                if current["state"] == "release":
+                    self.release = current
+                    raise ReleaseRequested(current.get("reason"))
+                if current["state"] != "hold":
+                    break
+        self.announce("running", request)
+        self.on_continue(request, time.monotonic() - started)
+
+    def announce(self, state: str, request: dict | None = None) -> None:
+        if self.folder is None:
+            return
+        body = {"state": state, "pid": os.getpid(), "step": self.step, "time": time.time(),
+                "by": (request or {}).get("by"), "reason": (request or {}).get("reason")}
+        control_dir(self.folder).mkdir(exist_ok=True)
+        tmp = control_dir(self.folder) / f".state-{os.getpid()}"
+        tmp.write_text(json.dumps(body))  # a status note, not state: atomic is enough, no fsync needed
+        os.replace(tmp, control_dir(self.folder) / "state.json")
+
+    def _on_usr1(self, signum, frame) -> None:
+        self._dirty = True
 
     def _on_term(self, signum, frame) -> None:
         self.request_stop("SIGTERM")
+        self._dirty = self.folder is not None
 
     def _on_int(self, signum, frame) -> None:
         self._interrupts += 1

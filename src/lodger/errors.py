@@ -41,3 +41,9 @@ class RunStateError(LodgerError):
 
 class LedgerError(LodgerError):
     """The ledger database cannot be opened or migrated."""
+
+
+class LimitReached(LodgerError):
+    """A run hit one of its resource limits; its checkpoint is committed and it stopped."""
+
+    exit_code = 3

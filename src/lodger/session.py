@@ -6,7 +6,6 @@ Nothing is written for a new run until the job, the data and the model have all 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -19,12 +18,14 @@ from typing import Any
 from . import durable
 from .checkpoint import Checkpoint, CheckpointStore
 from .config import JobConfig, load_job, to_toml, total_steps
-from .control import Control
+from .control import Control, clear_request, write_request
 from .data import DataFile, Sampler, TokenizedSet, read_jsonl, split_indices, tokenize
-from .errors import RunStateError
+from .errors import LimitReached, RunStateError
 from .home import run_dir, runs_dir
+from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this module's API)
 from .ledger import Ledger
 from .ledger import provenance as prov
+from .compare import segment_compute
 from .model import ModelSource, model_folder, resolve_source, tokenizer_hash
 
 JOB_FILE = "job.toml"
@@ -84,7 +85,7 @@ def _job_hash(job: JobConfig) -> str:
 
 
 def create_run(job_path: Path, threads: int | None = None, *, name: str | None = None,
-               reproduces: str | None = None) -> tuple[str, Prepared]:
+               reproduces: str | None = None, managed: bool = False) -> tuple[str, Prepared]:
     """Validate a job file and create its run (folder and ledger row) atomically."""
     job = load_job(job_path)
     if threads is not None:
@@ -103,42 +104,8 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     with Ledger() as ledger:
         ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
                           job_hash=_job_hash(job), job_toml=to_toml(job.resolved_dict()),
-                          total_steps=prepared.total_steps, pid=None, reproduces=reproduces)
+                          total_steps=prepared.total_steps, pid=None, reproduces=reproduces, managed=managed)
     return run_id, prepared
-
-
-class RunLock:
-    """An exclusive lock on a run folder, held while a process trains it; the kernel drops it on death."""
-
-    def __init__(self, folder: Path):
-        self.fh = open(folder / "lock", "a+")
-        try:
-            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.fh.seek(0)
-            holder = self.fh.read().strip() or "another process"
-            self.fh.close()
-            raise RunStateError(f"run {folder.name} is already running (pid {holder}); "
-                                f"`lodger show {folder.name}` tells its state") from None
-        self.fh.seek(0)
-        self.fh.truncate()
-        self.fh.write(str(os.getpid()))
-        self.fh.flush()
-
-    def release(self) -> None:
-        self.fh.close()
-
-
-def is_locked(folder: Path) -> bool:
-    """Whether a live process holds the run's lock (i.e. is training it now)."""
-    try:
-        with open(folder / "lock", "a+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
 
 
 class Session:
@@ -155,8 +122,9 @@ class Session:
         self.job = prepared.job
         self.dir = run_dir(run_id)
         self.quiet = quiet
-        self.control = Control()
+        self.control = Control(self.dir)
         self.device = "cpu"
+        self.applied_limits = apply_limits(self.job.limits)
         torch.set_num_threads(self.job.training.threads)
         torch.use_deterministic_algorithms(True, warn_only=True)
         seed_everything(self.job.training.seed)
@@ -174,6 +142,31 @@ class Session:
         self.meter = prov.ComputeMeter()
         self.fingerprint = prov.numerics_fingerprint(self.device)
         self.reporter = None
+        limits = self.job.limits
+        self.memory_ceiling = int(limits.memory_gb * 2**30) if limits.memory_gb else None
+        self.compute_limit = limits.max_compute_hours * 3600 if limits.max_compute_hours else None
+        self.prior_cpu_seconds = 0.0  # CPU seconds of earlier segments, for the compute limit
+
+    def check_limits(self) -> None:
+        """Turn a reached memory ceiling or compute limit into a release request (checked per micro-step)."""
+        if self.memory_ceiling:
+            import resource
+
+            from .report import rss_bytes
+
+            peak = max(rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            if peak > self.memory_ceiling:
+                self._limit_reached(f"memory ceiling {self.memory_ceiling / 2**30:.2f} GiB reached (peak resident "
+                                    f"{peak / 2**30:.2f} GiB); raise [limits] memory_gb, or lower batch_size / "
+                                    f"max_length", rss_bytes=peak)
+        if self.compute_limit and self.prior_cpu_seconds + time.process_time() - self.meter.cpu0 > self.compute_limit:
+            self._limit_reached(f"compute limit of {self.compute_limit / 3600:g} CPU hours reached; raise "
+                                "[limits] max_compute_hours to continue")
+
+    def _limit_reached(self, reason: str, **measured) -> None:
+        if self.control.release is None:
+            write_request(self.dir, "limit", "release", reason, **measured)
+            self.control._dirty = True
 
     # -- restoring ---------------------------------------------------------------------------
     def restore(self, ckpt: Checkpoint) -> list[str]:
@@ -224,6 +217,7 @@ class Session:
             self.ledger.event(self.run_id, "warning", step=step, reason="non-finite loss or gradient norm; "
                               "optimizer step skipped", sample_lines=samples)
         self._metrics_append(record)
+        self.control.step = step
         every = self.job.training.log_every
         self.reporter.step(step, self.total_steps, loss, grad_norm, lr, tokens / max(seconds, 1e-9), seconds,
                            show=step % every == 0 or step == self.total_steps or step == 1)
@@ -239,7 +233,10 @@ class Session:
                               "segment": self.progress.segment})
         self.reporter.message(f"eval step {step}: eval_loss {loss:.4f}")
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, skip_if_exists: bool = False) -> Path:
+        existing = self.store.root / f"step-{self.progress.step:08d}"
+        if skip_if_exists and existing.is_dir():
+            return existing
         from safetensors.torch import save as save_tensors
 
         from .model import adapter_files
@@ -317,8 +314,14 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
     folder = run_dir(run_id)
     lock = RunLock(folder)
     ledger = Ledger()
+    for requester in ("user", "agent", "limit"):  # a new process starts with a clean slate; `serve` may still hold
+        clear_request(folder, requester)
     session = Session(run_id, prepared, ledger, quiet=quiet)
     session.control.install_signal_handlers()
+    session.control.on_hold = lambda r: ledger.set_status(run_id, "held", "held", step=session.progress.step,
+                                                          by=r.get("by"), reason=r.get("reason"))
+    session.control.on_continue = lambda r, held: ledger.set_status(
+        run_id, "running", "continued", step=session.progress.step, by=r.get("by"), held_seconds=round(held, 3))
     session.reporter = reporter = _reporter(session, quiet)
     try:
         stale = session.store.clean_stale()
@@ -334,10 +337,13 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         ledger.add_provenance(run_id, session.progress.segment, record)
         _write_provenance_json(folder, ledger.provenance(run_id))
         ledger.update_run(run_id, pid=os.getpid(), segment=session.progress.segment)
+        session.prior_cpu_seconds = sum(seg.get("cpu_seconds") or 0.0
+                                        for seg in segment_compute(ledger.events(run_id)))
         lost = {"lost_after_step": session.resumed_from[1]} if resuming else {}
         ledger.set_status(run_id, "running", "resumed" if resuming else "started",
                           step=session.progress.step, segment=session.progress.segment, pid=os.getpid(),
-                          threads=session.job.training.threads, **lost)
+                          threads=session.job.training.threads, limits=session.applied_limits, **lost)
+        session.control.announce("running")
         reporter.message(f"run {run_id}: {'resuming at' if resuming else 'starting at'} step "
                          f"{session.progress.step}/{session.total_steps} "
                          f"({len(prepared.train_indices)} train / {len(prepared.eval_indices)} eval examples, "
@@ -351,15 +357,26 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
             ledger.set_status(run_id, "finished", step=session.progress.step, eval_loss=final_eval,
                               adapter=str(adapter), compute=compute)
             reporter.message(f"finished: {session.progress.step} steps; adapter in {adapter}")
+        elif status == "paused":
+            request = session.control.release or {}
+            ledger.update_run(run_id, pid=None)
+            ledger.set_status(run_id, "paused", step=session.progress.step, by=request.get("by"),
+                              reason=request.get("reason"), compute=compute)
+            reporter.message(f"paused at step {session.progress.step} ({request.get('by')}: {request.get('reason')}); "
+                             f"checkpoint committed; continue with `lodger resume {run_id}`")
         else:
             ledger.update_run(run_id, pid=None)
             ledger.set_status(run_id, "interrupted", step=session.progress.step,
                               reason=session.control.stop, compute=compute)
             reporter.message(f"interrupted ({session.control.stop}) at step {session.progress.step}; "
                              f"continue with `lodger resume {run_id}`")
+        session.control.announce(status)
+        if status == "paused" and (session.control.release or {}).get("by") == "limit":
+            raise LimitReached(f"run {run_id} stopped: {session.control.release.get('reason')}; "
+                               f"its checkpoint at step {session.progress.step} is committed")
         return status
     except BaseException as exc:
-        if not isinstance(exc, KeyboardInterrupt):
+        if not isinstance(exc, (KeyboardInterrupt, LimitReached)):
             ledger.update_run(run_id, pid=None)
             ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=session.progress.step)
         raise
@@ -367,6 +384,37 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         reporter.close()
         ledger.close()
         lock.release()
+
+
+def apply_limits(limits) -> dict:
+    """Lower this process's CPU and I/O priority and cap GPU memory; return what was applied."""
+    applied: dict = {}
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, 0)
+        if limits.nice > current:
+            os.setpriority(os.PRIO_PROCESS, 0, limits.nice)
+        applied["nice"] = os.getpriority(os.PRIO_PROCESS, 0)
+    except OSError as exc:
+        applied["nice_error"] = str(exc)
+    if limits.ionice_idle:
+        try:
+            import psutil
+
+            psutil.Process().ionice(psutil.IOPRIO_CLASS_IDLE)
+            applied["ionice"] = "idle"
+        except (ImportError, OSError, AttributeError, ValueError) as exc:
+            applied["ionice_error"] = str(exc)
+    if limits.gpu_memory_fraction:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.set_per_process_memory_fraction(limits.gpu_memory_fraction)
+            applied["gpu_memory_fraction"] = limits.gpu_memory_fraction
+    if limits.memory_gb:
+        applied["memory_gb"] = limits.memory_gb
+    if limits.max_compute_hours:
+        applied["max_compute_hours"] = limits.max_compute_hours
+    return applied
 
 
 def _reporter(session: Session, quiet: bool):

@@ -39,9 +39,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import compare, demo, runs, train
+    from . import agent, compare, control, demo, runs, train
 
-    for module in (train, runs, compare, demo):
+    for module in (train, control, agent, runs, compare, demo):
         for command in module.COMMANDS:
             cli.add_command(command)
 
@@ -51,3 +51,7 @@ _register()
 
 def main() -> None:
     cli()
+
+
+if __name__ == "__main__":
+    main()

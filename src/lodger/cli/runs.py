@@ -16,12 +16,12 @@ def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
 
-def _live_status(run: dict) -> str:
+def live_status(run: dict) -> str:
     """The recorded status, corrected for a process that died without saying so."""
     from ..home import run_dir
-    from ..session import is_locked
+    from ..runlock import is_locked
 
-    if run["status"] == "running" and not is_locked(run_dir(run["id"])):
+    if run["status"] in ("running", "held") and not is_locked(run_dir(run["id"])):
         return "crashed"
     return run["status"]
 
@@ -38,7 +38,7 @@ def ls(as_json: bool) -> None:
     with Ledger() as ledger:
         runs = ledger.runs()
     for run in runs:
-        run["status"] = _live_status(run)
+        run["status"] = live_status(run)
     if as_json:
         keys = ("id", "status", "model", "method", "step", "total_steps", "loss", "created")
         click.echo(json.dumps([{k: r[k] for k in keys} for r in runs], indent=1))
@@ -73,7 +73,7 @@ def show(run_id: str, as_json: bool) -> None:
         provenance = ledger.provenance(run["id"])
         train = ledger.metrics(run["id"], "train")
         evals = ledger.metrics(run["id"], "eval")
-    run["status"] = _live_status(run)
+    run["status"] = live_status(run)
     folder = run_dir(run["id"])
     checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
     info = {"run": run, "folder": str(folder), "checkpoints": checkpoints,
@@ -115,7 +115,7 @@ def logs(run_id: str, follow: bool) -> None:
     """
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..session import is_locked
+    from ..runlock import is_locked
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)

@@ -43,19 +43,32 @@ def init(file: Path, force: bool) -> None:
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--threads", type=click.IntRange(1, 1024), help="Override [training] threads.")
 @click.option("--quiet", is_flag=True, help="Only errors on the terminal (log.txt still gets everything).")
-def run(job: Path, threads: int | None, quiet: bool) -> None:
-    """Train the job in JOB (a TOML file) in this terminal.
+@click.option("--detach", is_flag=True, help="Train in the background (survives the terminal); print the run id.")
+def run(job: Path, threads: int | None, quiet: bool, detach: bool) -> None:
+    """Train the job in JOB (a TOML file), in this terminal or in the background (--detach).
 
     Everything is validated before anything is written. Ctrl-C or SIGTERM commits a checkpoint
     at the next step and exits 0; a second Ctrl-C quits at once. Continue with `lodger resume RUN`.
 
-    Example: lodger run my-job.toml
+    Example: lodger run my-job.toml --detach
     """
     from ..session import create_run, execute
 
-    run_id, prepared = create_run(job, threads)
+    run_id, prepared = create_run(job, threads, managed=detach)
     click.echo(f"run {run_id}")
+    if detach:
+        _detach(run_id, fresh=True)
+        return
     execute(run_id, prepared, resuming=False, quiet=quiet)
+
+
+def _detach(run_id: str, fresh: bool) -> None:
+    from ..home import run_dir
+    from ..launch import spawn_worker, wait_until_running
+
+    process = spawn_worker(run_id, fresh=fresh)
+    wait_until_running(run_id, process)
+    click.echo(f"training in the background (pid {process.pid}); log: {run_dir(run_id) / 'log.txt'}")
 
 
 @click.command()
@@ -63,25 +76,45 @@ def run(job: Path, threads: int | None, quiet: bool) -> None:
 @click.option("--threads", type=click.IntRange(1, 1024),
               help="Resume at another thread count (works, but is recorded as drift: no longer bitwise comparable).")
 @click.option("--quiet", is_flag=True, help="Only errors on the terminal.")
-def resume(run_id: str, threads: int | None, quiet: bool) -> None:
-    """Continue RUN from its newest good checkpoint.
+@click.option("--detach", is_flag=True, help="Continue in the background.")
+def resume(run_id: str, threads: int | None, quiet: bool, detach: bool) -> None:
+    """Continue RUN: a held run where it stands, a stopped one from its newest good checkpoint.
 
     Damaged checkpoints are reported, moved aside and skipped. On the same machine, threads and
     library versions the result is bitwise identical to an uninterrupted run; otherwise lodger
     warns and records the drift.
 
-    Example: lodger resume my-job-20261129-101500-ab12
+    Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
-    from ..ledger import Ledger
-    from ..session import execute, is_locked, resume_prepared
+    from ..control import clear_request, notify, read_requests
     from ..home import run_dir
+    from ..ledger import Ledger
+    from ..runlock import is_locked, lock_pid
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
-    if run["status"] == "finished":
-        raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger run`")
-    if is_locked(run_dir(run["id"])):
-        raise RunStateError(f"run {run['id']} is running now; nothing to resume")
+        folder = run_dir(run["id"])
+        if run["status"] == "finished":
+            raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger run`")
+        if is_locked(folder):
+            requests = read_requests(folder)
+            if not any(r.get("state") != "run" for r in requests.values()):
+                raise RunStateError(f"run {run['id']} is training now; nothing to resume")
+            for requester in ("user", "agent"):
+                clear_request(folder, requester)
+            ledger.event(run["id"], "resume_requested", by="user")
+            notify(lock_pid(folder) or 0)
+            still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]
+            click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
+            return
+        if detach:
+            ledger.update_run(run["id"], managed=1)
+    if detach:
+        click.echo(f"run {run['id']}")
+        _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists())
+        return
+    from ..session import execute, resume_prepared
+
     prepared = resume_prepared(run["id"], threads)
     execute(run["id"], prepared, resuming=True, quiet=quiet)
 

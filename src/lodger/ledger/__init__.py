@@ -133,13 +133,14 @@ class Ledger:
 
     # -- runs --------------------------------------------------------------------------------
     def create_run(self, run_id: str, *, name: str | None, model: str, method: str, job_hash: str,
-                   job_toml: str, total_steps: int, pid: int | None, reproduces: str | None = None) -> None:
+                   job_toml: str, total_steps: int, pid: int | None, reproduces: str | None = None,
+                   managed: bool = False) -> None:
         now = time.time()
         with self.transaction():
             self.db.execute(
                 "INSERT INTO runs (id, name, created, updated, status, model, method, job_hash, job_toml,"
-                " total_steps, pid) VALUES (?, ?, ?, ?, 'created', ?, ?, ?, ?, ?, ?)",
-                (run_id, name, now, now, model, method, job_hash, job_toml, total_steps, pid))
+                " total_steps, pid, managed) VALUES (?, ?, ?, ?, 'created', ?, ?, ?, ?, ?, ?, ?)",
+                (run_id, name, now, now, model, method, job_hash, job_toml, total_steps, pid, int(managed)))
             data = {"job_hash": job_hash, "model": model, "method": method, "total_steps": total_steps}
             if reproduces:
                 data["reproduces"] = reproduces
@@ -198,6 +199,36 @@ class Ledger:
         with self.transaction():
             self.db.execute("INSERT OR REPLACE INTO provenance VALUES (?, ?, ?, ?)",
                             (run_id, segment, time.time(), _canonical(data)))
+
+    # -- the queue ---------------------------------------------------------------------------
+    def enqueue(self, name: str, job_path: str, job_toml: str, priority: int) -> int:
+        with self.transaction():
+            cursor = self.db.execute("INSERT INTO queue (name, job_path, job_toml, priority, added, state)"
+                                     " VALUES (?, ?, ?, ?, ?, 'queued')", (name, job_path, job_toml, priority, time.time()))
+            self._append_event(None, "queued", {"queue_id": cursor.lastrowid, "name": name, "priority": priority,
+                                                "job_path": job_path})
+            return cursor.lastrowid
+
+    def queue(self) -> list[dict]:
+        """Queued jobs, the one to start next first (highest priority, then oldest)."""
+        rows = self.db.execute("SELECT * FROM queue WHERE state='queued' ORDER BY priority DESC, added, id")
+        return [dict(r) for r in rows]
+
+    def take_from_queue(self, queue_id: int, run_id: str) -> bool:
+        """Mark a queued job started by ``run_id``; False if someone else took it first."""
+        with self.transaction():
+            cursor = self.db.execute("UPDATE queue SET state='started', run_id=? WHERE id=? AND state='queued'",
+                                     (run_id, queue_id))
+            if cursor.rowcount:
+                self._append_event(run_id, "dequeued", {"queue_id": queue_id})
+            return bool(cursor.rowcount)
+
+    def cancel_queued(self, queue_id: int) -> bool:
+        with self.transaction():
+            cursor = self.db.execute("UPDATE queue SET state='cancelled' WHERE id=? AND state='queued'", (queue_id,))
+            if cursor.rowcount:
+                self._append_event(None, "unqueued", {"queue_id": queue_id})
+            return bool(cursor.rowcount)
 
     def provenance(self, run_id: str) -> list[dict]:
         rows = self.db.execute("SELECT segment, data FROM provenance WHERE run_id=? ORDER BY segment",

@@ -45,4 +45,17 @@ MIGRATIONS: list[tuple[str, str]] = [
             PRIMARY KEY (run_id, segment)
         );
     """),
+    ("0002_managed_runs_and_queue", """
+        ALTER TABLE runs ADD COLUMN managed INTEGER NOT NULL DEFAULT 0;
+        CREATE TABLE queue (
+            id INTEGER PRIMARY KEY,
+            name TEXT NOT NULL,
+            job_path TEXT NOT NULL,
+            job_toml TEXT NOT NULL,
+            priority INTEGER NOT NULL DEFAULT 0,
+            added REAL NOT NULL,
+            state TEXT NOT NULL,
+            run_id TEXT
+        );
+    """),
 ]

@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..control import ReleaseRequested
 from ..data import collate
+from ..rng import capture as capture_rng
+from ..rng import restore as restore_rng
 from .optim import lr_at
 
 if TYPE_CHECKING:
@@ -47,7 +50,7 @@ def evaluate(s: "Session") -> float | None:
 
 
 def train(s: "Session") -> str:
-    """Run from ``s.progress`` to the last step; return "finished" or "interrupted"."""
+    """Run from ``s.progress`` to the last step; return "finished", "interrupted" or "paused"."""
     cfg, p = s.job.training, s.progress
     micro, accum = cfg.batch_size, cfg.grad_accum
     params = [q for q in s.model.parameters() if q.requires_grad]
@@ -65,12 +68,22 @@ def train(s: "Session") -> str:
         batches = [collate(s.train_set, ids[i * micro:(i + 1) * micro], s.pad_id) for i in range(accum)]
         step_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
         loss_sum = torch.zeros((), dtype=torch.float32)
-        for batch in batches:
-            s.control.checkpoint_boundary()  # microseconds; where hold/yield requests are answered
-            loss, _ = token_loss_sum(s.model, batch)
-            loss = loss / step_tokens
-            loss.backward()
-            loss_sum += loss.detach()
+        rng_at_step_start = capture_rng()  # a few KB copied; lets a release drop this step exactly
+        try:
+            for batch in batches:
+                s.check_limits()
+                s.control.checkpoint_boundary()  # microseconds; where hold and release are answered
+                loss, _ = token_loss_sum(s.model, batch)
+                loss = loss / step_tokens
+                loss.backward()
+                loss_sum += loss.detach()
+        except ReleaseRequested:
+            # Give the machine back now: forget this step's partial work as if it never began,
+            # so the checkpoint equals the state at the step boundary and resuming stays exact.
+            s.optimizer.zero_grad(set_to_none=True)
+            restore_rng(*rng_at_step_start)
+            s.save_checkpoint(skip_if_exists=True)
+            return "paused"
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         loss_value, norm_value = loss_sum.item(), grad_norm.item()  # one device sync per step
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)

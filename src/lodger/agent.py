@@ -1,0 +1,310 @@
+"""`lodger agent`: yield policies and the job queue, applied by one long-running, light process.
+
+Every ``interval`` seconds the agent measures the machine (other processes' CPU and memory share,
+GPU memory where there is a GPU, battery, the clock), asks each live run's policy whether it must
+yield, and holds or releases it (or lets it continue once every condition has been clear for the
+policy's ``clear_seconds``). It also restarts managed runs that died (a reboot, a kill), continues
+runs it paused itself, and starts queued jobs when there is room. Every decision is a ledger event
+with its reason and the measured values. The agent never imports torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .control import clear_request, notify, read_requests, write_request
+from .home import home, run_dir
+from .ledger import Ledger
+from .runlock import is_locked, lock_pid
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# -- measuring the machine -------------------------------------------------------------------
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def process_jiffies(pid: int) -> int:
+    """CPU time (user + system, all threads) of a process, in jiffies; 0 if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    parts = stat.rsplit(")", 1)[1].split()
+    return int(parts[11]) + int(parts[12])
+
+
+def process_rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _meminfo() -> dict[str, int]:
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, value = line.split(":", 1)
+        info[key] = int(value.split()[0]) * 1024
+    return info
+
+
+def on_battery() -> bool:
+    """True when a battery reports discharging. $LODGER_POWER_SUPPLY_DIR can point at a fake sysfs
+    tree (tests use one: this machine has no battery)."""
+    base = Path(os.environ.get("LODGER_POWER_SUPPLY_DIR", "/sys/class/power_supply"))
+    try:
+        supplies = list(base.iterdir())
+    except OSError:
+        return False
+    for supply in supplies:
+        try:
+            if (supply / "type").read_text().strip() == "Battery" and \
+                    (supply / "status").read_text().strip() == "Discharging":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def gpu_memory_used_share(our_pids: set[int]) -> float | None:
+    """Share of GPU memory used by processes other than ours, via nvidia-smi; None without a GPU."""
+    try:
+        total = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=5)
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if total.returncode != 0:
+        return None
+    used = sum(float(line.split(",")[0]) for line in total.stdout.strip().splitlines())
+    capacity = sum(float(line.split(",")[1]) for line in total.stdout.strip().splitlines())
+    ours = sum(float(line.split(",")[1]) for line in apps.stdout.strip().splitlines()
+               if line.strip() and int(line.split(",")[0]) in our_pids)
+    return (used - ours) / capacity if capacity else None
+
+
+def within_hours(window: str, now: time.struct_time | None = None) -> bool:
+    """Whether the local time is inside "HH:MM-HH:MM" (which may wrap midnight)."""
+    now = now or time.localtime()
+    start, end = ((int(h) * 60 + int(m)) for h, m in (part.split(":") for part in window.split("-")))
+    minute = now.tm_hour * 60 + now.tm_min
+    return start <= minute < end if start <= end else minute >= start or minute < end
+
+
+@dataclass
+class Sampler:
+    """Measures the machine between two ticks."""
+
+    last: tuple[int, int] = field(default_factory=_cpu_times)
+    last_ours: dict[int, int] = field(default_factory=dict)
+
+    def measure(self, our_pids: set[int], want_gpu: bool = False) -> dict:
+        busy, total = _cpu_times()
+        ours_now = {pid: process_jiffies(pid) for pid in our_pids | {os.getpid()}}
+        ours_delta = sum(v - self.last_ours.get(pid, v) for pid, v in ours_now.items())
+        d_busy, d_total = busy - self.last[0], max(total - self.last[1], 1)
+        self.last, self.last_ours = (busy, total), ours_now
+        mem = _meminfo()
+        ours_rss = sum(process_rss(pid) for pid in our_pids)
+        used_by_others = mem["MemTotal"] - mem.get("MemAvailable", mem["MemFree"]) - ours_rss
+        return {
+            "foreign_cpu": round(max(0.0, (d_busy - ours_delta) / d_total), 4),
+            "our_cpu": round(ours_delta / d_total, 4),
+            "foreign_memory": round(max(0.0, used_by_others / mem["MemTotal"]), 4),
+            "on_battery": on_battery(),
+            "foreign_gpu_memory": gpu_memory_used_share(our_pids) if want_gpu else None,
+            "time": time.strftime("%H:%M"),
+        }
+
+
+def violations(policy, measured: dict) -> list[str]:
+    """Why the policy says the run must yield now (empty: it may train)."""
+    found = []
+    if policy.max_foreign_cpu is not None and measured["foreign_cpu"] > policy.max_foreign_cpu:
+        found.append(f"other processes use {measured['foreign_cpu']:.0%} of the CPUs "
+                     f"(limit {policy.max_foreign_cpu:.0%})")
+    if policy.max_foreign_memory is not None and measured["foreign_memory"] > policy.max_foreign_memory:
+        found.append(f"other processes use {measured['foreign_memory']:.0%} of memory "
+                     f"(limit {policy.max_foreign_memory:.0%})")
+    gpu = measured.get("foreign_gpu_memory")
+    if policy.max_foreign_gpu_memory is not None and gpu is not None and gpu > policy.max_foreign_gpu_memory:
+        found.append(f"other processes use {gpu:.0%} of GPU memory (limit {policy.max_foreign_gpu_memory:.0%})")
+    if policy.pause_on_battery and measured["on_battery"]:
+        found.append("on battery")
+    if policy.allowed_hours and not within_hours(policy.allowed_hours):
+        found.append(f"outside allowed hours {policy.allowed_hours} (now {measured['time']})")
+    return found
+
+
+# -- the agent -------------------------------------------------------------------------------
+def agent_lock_path() -> Path:
+    return home() / "agent.lock"
+
+
+def agent_pid() -> int | None:
+    """The pid of the running agent, or None."""
+    path = agent_lock_path()
+    if not path.exists():
+        return None
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            fh.seek(0)
+            text = fh.read().strip()
+            return int(text) if text.isdigit() else -1
+
+
+def spawn(args: list[str], log: Path) -> subprocess.Popen:
+    """A detached lodger process (its own session, output to ``log``)."""
+    out = open(log, "ab")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "lodger.cli.main", *args], stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    finally:
+        out.close()
+
+
+class Agent:
+    """One tick at a time: measure, apply policies, restart what should run, start queued jobs."""
+
+    def __init__(self, ledger: Ledger, interval: float = 1.0, max_concurrent: int | None = None):
+        from .config import user_defaults
+
+        settings = user_defaults().get("agent", {})
+        self.ledger = ledger
+        self.interval = interval
+        self.max_concurrent = max_concurrent or int(settings.get("max_concurrent", 1))
+        self.sampler = Sampler()
+        self.clear_since: dict[str, float] = {}
+        self.starting: dict[str, subprocess.Popen] = {}   # restarted runs, until their worker holds the lock
+        self.queue_children: dict[int, subprocess.Popen] = {}  # queued jobs being started
+
+    def _policy(self, run: dict):
+        from .config import JobConfig
+
+        return JobConfig.model_validate(tomllib.loads(run["job_toml"])).policy
+
+    def _threads(self, run_or_toml: str) -> int:
+        return int(tomllib.loads(run_or_toml).get("training", {}).get("threads") or os.cpu_count())
+
+    def tick(self) -> None:
+        runs = self.ledger.runs()
+        live = {r["id"]: r for r in runs if is_locked(run_dir(r["id"]))}
+        for run_id, child in list(self.starting.items()):
+            if run_id in live or child.poll() is not None:
+                del self.starting[run_id]
+        for queue_id, child in list(self.queue_children.items()):
+            row = self.ledger.db.execute("SELECT run_id FROM queue WHERE id=?", (queue_id,)).fetchone()
+            if child.poll() is not None or (row and row["run_id"] in live):
+                del self.queue_children[queue_id]
+        pids = {lock_pid(run_dir(r)) for r in live} - {None}
+        measured = self.sampler.measure(pids, want_gpu=any(self._policy(r).max_foreign_gpu_memory for r in live.values()))
+        for run in runs:
+            if run["id"] in self.starting:
+                continue
+            if run["id"] in live:
+                self._apply_policy(run, measured)
+            elif run["managed"] and run["status"] in ("running", "held", "interrupted"):
+                self._restart(run, f"the run's process is gone (status {run['status']}): resuming")
+            elif run["status"] == "paused" and self._paused_by_agent(run["id"]):
+                if self._clear_for_long_enough(run, measured):
+                    self._restart(run, "conditions clear: continuing the run it released", measured)
+        busy = len(live) + len(self.starting) + len(self.queue_children)
+        self._start_queued(busy, sum(self._threads(r["job_toml"]) for r in live.values()))
+
+    def _apply_policy(self, run: dict, measured: dict) -> None:
+        policy = self._policy(run)
+        folder = run_dir(run["id"])
+        mine = read_requests(folder).get("agent")
+        reasons = violations(policy, measured) if policy.enabled else []
+        if reasons and mine is None:
+            write_request(folder, "agent", policy.yield_mode, "; ".join(reasons), measured=measured)
+            self.ledger.event(run["id"], "policy", decision=policy.yield_mode, reasons=reasons, measured=measured)
+            notify(lock_pid(folder) or 0)
+            self.clear_since.pop(run["id"], None)
+        elif mine is not None and self._clear_for_long_enough(run, measured, reasons):
+            clear_request(folder, "agent")
+            self.ledger.event(run["id"], "policy", decision="continue", reasons=[f"clear for "
+                              f"{policy.clear_seconds:g} s"], measured=measured)
+            notify(lock_pid(folder) or 0)
+
+    def _clear_for_long_enough(self, run: dict, measured: dict, reasons: list[str] | None = None) -> bool:
+        policy = self._policy(run)
+        reasons = violations(policy, measured) if reasons is None else reasons
+        if reasons:
+            self.clear_since.pop(run["id"], None)
+            return False
+        since = self.clear_since.setdefault(run["id"], time.monotonic())
+        if time.monotonic() - since >= policy.clear_seconds:
+            self.clear_since.pop(run["id"], None)
+            return True
+        return False
+
+    def _paused_by_agent(self, run_id: str) -> bool:
+        events = self.ledger.db.execute("SELECT data FROM events WHERE run_id=? AND kind='paused' ORDER BY seq DESC "
+                                        "LIMIT 1", (run_id,)).fetchone()
+        return bool(events) and json.loads(events["data"]).get("by") == "agent"
+
+    def _restart(self, run: dict, reason: str, measured: dict | None = None) -> None:
+        clear_request(run_dir(run["id"]), "agent")
+        self.ledger.event(run["id"], "agent_resume", reason=reason, measured=measured)
+        self.ledger.update_run(run["id"], managed=1)
+        self.starting[run["id"]] = spawn(["_worker", run["id"]], run_dir(run["id"]) / "worker.out")
+
+    def _start_queued(self, busy: int, threads_in_use: int) -> None:
+        for entry in self.ledger.queue():
+            threads = self._threads(entry["job_toml"])
+            room = busy < self.max_concurrent and (busy == 0 or threads_in_use + threads <= (os.cpu_count() or 1))
+            if not room:
+                return
+            if not self.ledger.take_from_queue(entry["id"], run_id=None):
+                continue
+            self.ledger.event(None, "agent_start", queue_id=entry["id"], name=entry["name"])
+            log = home() / "queue" / f"{entry['id']}.out"
+            log.parent.mkdir(exist_ok=True)
+            self.queue_children[entry["id"]] = spawn(["_start-queued", str(entry["id"])], log)
+            busy += 1
+            threads_in_use += threads
+
+    def serve_forever(self, stop_after: float | None = None) -> None:
+        started = time.monotonic()
+        while stop_after is None or time.monotonic() - started < stop_after:
+            self.tick()
+            time.sleep(self.interval)
+
+
+class AgentLock:
+    """Only one agent per $LODGER_HOME."""
+
+    def __init__(self):
+        self.fh = open(agent_lock_path(), "a+")
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.fh.close()
+            from .errors import RunStateError
+
+            raise RunStateError(f"an agent is already running (pid {agent_pid()})") from None
+        self.fh.seek(0)
+        self.fh.truncate()
+        self.fh.write(str(os.getpid()))
+        self.fh.flush()

@@ -1,0 +1,125 @@
+"""Commands that give the machine back or show who has it: pause, status (and the hidden worker)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from ..errors import LodgerError, RunStateError
+
+
+@click.command()
+@click.argument("run_ids", metavar="[RUN]...", nargs=-1)
+@click.option("--hold", is_flag=True, help="Stop at the next micro-step and keep memory (no CPU) instead of "
+                                            "checkpointing and exiting.")
+@click.option("--all", "all_runs", is_flag=True, help="Every run that is training now.")
+@click.option("--no-wait", is_flag=True, help="Return at once instead of waiting until the machine is free.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds to wait at most.")
+def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, timeout: float) -> None:
+    """Give the machine back: checkpoint at once and exit (default), or hold in memory (--hold).
+
+    A release drops the current step's partial work, commits a checkpoint and exits, freeing all
+    memory; a hold stops at the next micro-step and sleeps. `lodger resume RUN` continues either
+    kind, and neither changes the result.
+
+    Example: lodger pause my-job-20261129-101500-ab12 --hold
+             lodger pause --all
+    """
+    from ..control import notify, run_state, write_request
+    from ..home import run_dir
+    from ..ledger import Ledger
+    from ..runlock import is_locked, lock_pid
+
+    mode = "hold" if hold else "release"
+    with Ledger() as ledger:
+        if all_runs:
+            targets = [r for r in ledger.runs() if is_locked(run_dir(r["id"]))]
+            if not targets:
+                click.echo("nothing is training")
+                return
+        elif run_ids:
+            targets = [ledger.find_run(r) for r in run_ids]
+        else:
+            raise click.UsageError("name a RUN, or pass --all")
+        started = time.monotonic()
+        waiting = []
+        for run in targets:
+            folder = run_dir(run["id"])
+            pid = lock_pid(folder)
+            if not is_locked(folder) or pid is None:
+                raise RunStateError(f"run {run['id']} is not training now (status {run['status']})")
+            write_request(folder, "user", mode, "lodger pause")
+            ledger.event(run["id"], "pause_requested", mode=mode, by="user")
+            notify(pid)
+            waiting.append((run, folder, pid, time.time()))
+    if no_wait:
+        click.echo(f"asked {len(waiting)} run(s) to {mode}")
+        return
+    for run, folder, pid, asked in waiting:
+        while time.monotonic() - started < timeout:
+            if hold:
+                state = run_state(folder)
+                if state.get("state") == "held" and state.get("time", 0) >= asked - 1:
+                    click.echo(f"{run['id']}: held at step {state.get('step')} "
+                               f"({time.monotonic() - started:.2f} s); `lodger resume {run['id']}` continues")
+                    break
+            elif not is_locked(folder):
+                state = run_state(folder)
+                click.echo(f"{run['id']}: paused at step {state.get('step')}, checkpoint committed, memory freed "
+                           f"({time.monotonic() - started:.2f} s)")
+                break
+            time.sleep(0.02)
+        else:
+            raise LodgerError(f"run {run['id']} did not {mode} within {timeout:.0f} s")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(as_json: bool) -> None:
+    """What is training, held, paused or queued, and whether the agent is running.
+
+    Example: lodger status
+    """
+    from ..agent import agent_pid
+    from ..control import read_requests
+    from ..home import run_dir
+    from ..ledger import Ledger
+    from .runs import live_status
+
+    with Ledger() as ledger:
+        runs = [r for r in ledger.runs() if r["status"] not in ("finished", "failed")]
+        queue = ledger.queue()
+    rows = []
+    for run in runs:
+        state = live_status(run)
+        requests = {k: v.get("state") for k, v in read_requests(run_dir(run["id"])).items()}
+        rows.append({"id": run["id"], "status": state, "step": run["step"], "total_steps": run["total_steps"],
+                     "managed": bool(run.get("managed")), "requests": requests})
+    info = {"agent_pid": agent_pid(), "runs": rows, "queue": queue}
+    if as_json:
+        click.echo(json.dumps(info, indent=1, default=str))
+        return
+    click.echo(f"agent: {'running (pid %d)' % info['agent_pid'] if info['agent_pid'] else 'not running'}")
+    if not rows and not queue:
+        click.echo("nothing running, paused or queued")
+    for r in rows:
+        extra = ", ".join(f"{k}:{v}" for k, v in r["requests"].items())
+        click.echo(f"{r['status']:<12} {r['id']}  step {r['step']}/{r['total_steps']}"
+                   + (f"  [{extra}]" if extra else ""))
+    for q in queue:
+        click.echo(f"{'queued':<12} #{q['id']} {q['name']}  priority {q['priority']}")
+
+
+@click.command(name="_worker", hidden=True)
+@click.argument("run_id")
+@click.option("--fresh", is_flag=True)
+def worker(run_id: str, fresh: bool) -> None:
+    """Train RUN in this (detached) process; used by --detach and the agent."""
+    from ..session import execute, resume_prepared
+
+    execute(run_id, resume_prepared(run_id), resuming=not fresh, quiet=True)
+
+
+COMMANDS = [pause, status, worker]

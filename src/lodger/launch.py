@@ -1,0 +1,43 @@
+"""Start runs in the background: a detached worker process per run, logging to the run folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from .control import run_state
+from .errors import LodgerError
+from .home import run_dir
+
+
+def spawn_worker(run_id: str, *, fresh: bool) -> subprocess.Popen:
+    """A new session (survives the terminal closing) that trains ``run_id``; output to worker.out."""
+    folder = run_dir(run_id)
+    log = open(folder / "worker.out", "ab")
+    command = [sys.executable, "-m", "lodger.cli.main", "_worker", run_id] + (["--fresh"] if fresh else [])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    try:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, close_fds=True, env=env)
+    finally:
+        log.close()
+
+
+def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Return once the worker says it is training; raise with its output if it died first."""
+    folder = run_dir(run_id)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = run_state(folder)
+        if state.get("pid") == process.pid and state.get("state") in ("running", "held", "finished", "paused"):
+            return
+        code = process.poll()
+        if code is not None:
+            if code == 0:
+                return
+            tail = (folder / "worker.out").read_text(errors="replace")[-2000:]
+            raise LodgerError(f"the background run {run_id} exited with status {code}:\n{tail}")
+        time.sleep(0.1)
+    raise LodgerError(f"the background run {run_id} did not start within {timeout:.0f} s; see {folder}/worker.out")
