@@ -82,6 +82,13 @@ class TrainingConfig(_Section):
     threads: Int | None = Field(None, ge=1, le=1024)
     """CPU threads for torch. Left out, lodger uses every core and records the number it chose;
     results are bitwise comparable only at the same thread count."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: `auto` uses the GPU when there is one."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: `bf16` autocast (CPU or GPU), `fp16` autocast with dynamic loss scaling (GPU
+    only). Trainable weights and optimizer state always stay fp32."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: much less memory, about a third more time."""
     eval_every: Int | None = Field(None, ge=1)
     """Evaluate on the held-out set every this many steps (and always at the start and the end)."""
     log_every: Int = Field(1, ge=1)
@@ -94,6 +101,21 @@ class TrainingConfig(_Section):
         if self.steps is None and self.epochs is None:
             raise ValueError("give `steps = N` or `epochs = N` in [training]")
         return self
+
+
+class GuardConfig(_Section):
+    skip_nonfinite: bool = True
+    """Skip the optimizer step (nothing is updated) when the loss or gradient norm is NaN or Inf."""
+    max_bad_steps: Int = Field(3, ge=1)
+    """After this many skipped steps in a row, roll back to the last good checkpoint."""
+    lr_factor: Float = Field(0.5, gt=0, le=1)
+    """After a rollback the learning rate is multiplied by this factor."""
+    max_rollbacks: Int = Field(3, ge=0)
+    """After this many rollbacks the run stops with a report."""
+    spike_zscore: Float = Field(6.0, gt=0)
+    """A loss this many robust standard deviations (median/MAD) above the recent window is a spike (recorded)."""
+    spike_window: Int = Field(50, ge=5)
+    """How many recent steps the spike detector looks at."""
 
 
 class CheckpointConfig(_Section):
@@ -154,6 +176,8 @@ class JobConfig(_Section):
     """Optimisation settings."""
     checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """How often state is committed to disk."""
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    """What happens when numbers go bad (NaN/Inf losses, spikes)."""
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     """When the run yields the machine to its owner (defaults: [policy] in $LODGER_HOME/config.toml)."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
@@ -343,11 +367,13 @@ def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl") ->
                      "warmup_steps": 5, "min_lr_ratio": 0.1, "weight_decay": 0.0, "max_grad_norm": 1.0,
                      "seed": 0, "threads": 2, "eval_every": 20, "log_every": 5},
         "checkpoints": {"every_steps": 20, "keep_last": 3},
+        "guard": {},
         "policy": {},
         "limits": {},
     }
     sections = {"model": ModelConfig, "method": MethodConfig, "data": DataConfig,
-                "training": TrainingConfig, "checkpoints": CheckpointConfig, "policy": PolicyConfig,
+                "training": TrainingConfig, "checkpoints": CheckpointConfig, "guard": GuardConfig,
+                "policy": PolicyConfig,
                 "limits": LimitsConfig}
     out = ["# lodger job file. Every key is optional unless marked required; run `lodger run FILE`.",
            "", "# " + JobConfig.model_fields["name"].description, 'name = "my-job"']

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 import time
@@ -20,8 +21,9 @@ from .checkpoint import Checkpoint, CheckpointStore
 from .config import JobConfig, load_job, to_toml, total_steps
 from .control import Control, clear_request, write_request
 from .data import DataFile, Sampler, TokenizedSet, read_jsonl, split_indices, tokenize
-from .errors import LimitReached, RunStateError
+from .errors import JobFileError, LimitReached, RunStateError
 from .home import run_dir, runs_dir
+from .train.guard import GuardState
 from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this module's API)
 from .ledger import Ledger
 from .ledger import provenance as prov
@@ -57,6 +59,7 @@ class Prepared:
     train_indices: list[int]
     eval_indices: list[int]
     total_steps: int
+    device: str = "cpu"
 
 
 def prepare(job: JobConfig) -> Prepared:
@@ -77,7 +80,34 @@ def prepare(job: JobConfig) -> Prepared:
         train_indices, eval_indices = split_indices(len(train_set), job.data.eval_fraction, job.training.seed)
         eval_set = train_set if eval_indices else None
     return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
-                    train_indices, eval_indices, total_steps(job, len(train_indices)))
+                    train_indices, eval_indices, total_steps(job, len(train_indices)), pick_device(job))
+
+
+def pick_device(job: JobConfig) -> str:
+    """`auto` takes the GPU when there is one; asking for one that is not there is an error."""
+    import torch
+
+    wanted = job.training.device
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise JobFileError("[training] device = \"cuda\": no CUDA device here; use \"auto\" or \"cpu\"")
+    device = "cuda" if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()) else "cpu"
+    if job.training.precision == "fp16" and device != "cuda":
+        raise JobFileError("[training] precision = \"fp16\" needs a GPU (loss scaling is a GPU feature); "
+                           "use \"bf16\" on the CPU")
+    return device
+
+
+def configure_determinism(device: str) -> None:
+    """Same inputs, same bits: deterministic kernels everywhere, and the cuBLAS setting that allows it."""
+    import torch
+
+    if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # must be set before cuBLAS starts
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _job_hash(job: JobConfig) -> str:
@@ -122,13 +152,25 @@ class Session:
         self.job = prepared.job
         self.dir = run_dir(run_id)
         self.quiet = quiet
+        from .train.guard import Guard
+        from .train.precision import Precision
+
         self.control = Control(self.dir)
-        self.device = "cpu"
+        self.device = prepared.device
         self.applied_limits = apply_limits(self.job.limits)
         torch.set_num_threads(self.job.training.threads)
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        configure_determinism(self.device)
         seed_everything(self.job.training.seed)
-        self.model = attach_method(load_base_model(prepared.folder), self.job.method, self.job.training.seed)
+        base = load_base_model(prepared.folder)
+        if self.job.training.gradient_checkpointing:
+            # non-reentrant checkpointing restores the RNG for the recomputation, so dropout stays exact
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.enable_input_require_grads()
+        self.model = attach_method(base, self.job.method, self.job.training.seed).to(self.device)
+        self.precision = Precision(self.job.training.precision, self.device)
+        self.guard = Guard(self.job.guard)
+        poison = os.environ.get("LODGER_TEST_POISON_LINES", "")
+        self.poison_lines = {int(x) for x in poison.split(",") if x.strip()}
         self.optimizer = build_optimizer([q for q in self.model.parameters() if q.requires_grad], self.job.training)
         self.store = CheckpointStore(self.dir / "checkpoints", self.job.checkpoints.keep_last)
         self.train_set, self.eval_set = prepared.train_set, prepared.eval_set
@@ -168,6 +210,29 @@ class Session:
             write_request(self.dir, "limit", "release", reason, **measured)
             self.control._dirty = True
 
+    def poison_factor(self, ids: list[int]) -> float:
+        """Inf when a micro-batch holds a poisoned line (test-only fault injection), else 1."""
+        return math.inf if any(int(self.train_set.lines[i]) in self.poison_lines for i in ids) else 1.0
+
+    def rollback(self) -> None:
+        """Too many bad steps in a row: back to the last good checkpoint, lower lr, skip the bad batches."""
+        carried = self.guard.start_rollback()  # raises TrainingDiverged after too many rollbacks
+        bad_from = self.progress.step
+        ckpt = self.store.latest_good()
+        if ckpt is None:
+            from .train.guard import TrainingDiverged
+
+            raise TrainingDiverged(f"non-finite loss or gradient norm at steps {carried['bad_steps']} and no "
+                                   "checkpoint to roll back to; lower [training] learning_rate or check the data")
+        self.restore(ckpt)
+        self.guard.state = GuardState(**carried)
+        self.truncate_metrics(ckpt.step)
+        self.ledger.event(self.run_id, "rollback", from_step=bad_from, to_step=ckpt.step,
+                          rollbacks=carried["rollbacks"], lr_scale=carried["lr_scale"],
+                          skipped_batches=carried["skip_positions"], bad_steps=carried["bad_steps"])
+        self.reporter.message(f"rollback {carried['rollbacks']}: steps {carried['bad_steps']} were non-finite; back "
+                              f"to step {ckpt.step}, learning rate x{carried['lr_scale']:g}, bad batches skipped")
+
     # -- restoring ---------------------------------------------------------------------------
     def restore(self, ckpt: Checkpoint) -> list[str]:
         """Load every piece of state from a verified checkpoint; return the drift found (if any)."""
@@ -182,8 +247,12 @@ class Session:
         load_trainable_state(self.model, self.job.method, load_tensors(ckpt.files[weights]))
         load_optimizer(self.optimizer, ckpt.files)
         restore_rng(load_tensors(ckpt.files["rng.safetensors"]), state["rng"])
-        self.progress = Progress(**state["progress"])
+        # In place: the loop holds references to these objects across a rollback.
+        for key, value in state["progress"].items():
+            setattr(self.progress, key, value)
         self.evals = {int(k): v for k, v in state.get("evals", {}).items()}
+        self.guard.state = GuardState(**state.get("guard", {}))
+        self.precision.load(state.get("scaler", {}))
         return prov.drift(state["numerics"], self.fingerprint)
 
     # -- recording ---------------------------------------------------------------------------
@@ -249,6 +318,8 @@ class Session:
             "progress": asdict(self.progress),
             "rng": rng_state,
             "evals": self.evals,
+            "guard": self.guard.as_dict(),
+            "scaler": self.precision.state(),
             "numerics": self.fingerprint,
             "total_steps": self.total_steps,
             "data": {"train_sha256": self.p.train_file.sha256,

@@ -42,7 +42,8 @@ def evaluate(s: "Session") -> float | None:
     total, count, size = 0.0, 0, s.job.training.batch_size
     for start in range(0, len(s.eval_indices), size):
         batch = collate(s.eval_set, s.eval_indices[start:start + size], s.pad_id)
-        loss, n = token_loss_sum(s.model, batch)
+        with s.precision.autocast():
+            loss, n = token_loss_sum(s.model, {k: v.to(s.device) for k, v in batch.items()})
         total += loss.item()  # .item() syncs with the device; fine once per eval batch
         count += n
     s.model.train()
@@ -51,7 +52,7 @@ def evaluate(s: "Session") -> float | None:
 
 def train(s: "Session") -> str:
     """Run from ``s.progress`` to the last step; return "finished", "interrupted" or "paused"."""
-    cfg, p = s.job.training, s.progress
+    cfg, p, guard, precision = s.job.training, s.progress, s.guard, s.precision
     micro, accum = cfg.batch_size, cfg.grad_accum
     params = [q for q in s.model.parameters() if q.requires_grad]
     max_norm = cfg.max_grad_norm or math.inf  # 0 disables clipping; the norm is still measured
@@ -61,21 +62,25 @@ def train(s: "Session") -> str:
     last_save = time.monotonic()
     while p.step < s.total_steps:
         started = time.perf_counter()
-        lr = lr_at(p.step, s.total_steps, cfg)
+        p.position = guard.next_position(p.position, micro * accum)
+        lr = lr_at(p.step, s.total_steps, cfg) * guard.state.lr_scale
         for group in s.optimizer.param_groups:
             group["lr"] = lr
         ids = [s.sampler.at(p.position + k) for k in range(micro * accum)]
         batches = [collate(s.train_set, ids[i * micro:(i + 1) * micro], s.pad_id) for i in range(accum)]
         step_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
-        loss_sum = torch.zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=s.device)
         rng_at_step_start = capture_rng()  # a few KB copied; lets a release drop this step exactly
         try:
-            for batch in batches:
+            for index, batch in enumerate(batches):
                 s.check_limits()
                 s.control.checkpoint_boundary()  # microseconds; where hold and release are answered
-                loss, _ = token_loss_sum(s.model, batch)
+                with precision.autocast():
+                    loss, _ = token_loss_sum(s.model, {k: v.to(s.device) for k, v in batch.items()})
                 loss = loss / step_tokens
-                loss.backward()
+                if s.poison_lines:  # test-only fault injection ($LODGER_TEST_POISON_LINES)
+                    loss = loss * s.poison_factor(ids[index * micro:(index + 1) * micro])
+                precision.backward(loss)
                 loss_sum += loss.detach()
         except ReleaseRequested:
             # Give the machine back now: forget this step's partial work as if it never began,
@@ -84,18 +89,27 @@ def train(s: "Session") -> str:
             restore_rng(*rng_at_step_start)
             s.save_checkpoint(skip_if_exists=True)
             return "paused"
+        precision.unscale(s.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         loss_value, norm_value = loss_sum.item(), grad_norm.item()  # one device sync per step
-        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        overflow = precision.scaler is not None and math.isfinite(loss_value) and not math.isfinite(norm_value)
+        finite = (math.isfinite(loss_value) and math.isfinite(norm_value)) or overflow
         if finite:
-            s.optimizer.step()
+            precision.step(s.optimizer)  # with fp16 loss scaling an overflow skips inside and lowers the scale
         s.optimizer.zero_grad(set_to_none=True)
+        verdict, zscore = guard.after_step(p.step + 1, p.position, loss_value, finite)
         p.step += 1
         p.position += micro * accum
         p.tokens += step_tokens
-        elapsed = time.perf_counter() - started
-        s.record_step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens, seconds=elapsed,
-                      skipped=not finite, samples=[int(s.train_set.lines[i]) for i in ids] if not finite else None)
+        s.record_step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
+                      seconds=time.perf_counter() - started, skipped=not finite or overflow,
+                      samples=None if finite else [int(s.train_set.lines[i]) for i in ids])
+        if verdict == "spike":
+            s.ledger.event(s.run_id, "loss_spike", step=p.step, loss=loss_value, zscore=round(zscore, 2))
+        if verdict == "rollback":
+            s.rollback()
+            last_save = time.monotonic()
+            continue
         if cfg.eval_every and p.step % cfg.eval_every == 0 and p.step < s.total_steps:
             s.record_eval(p.step, evaluate(s))
         ck = s.job.checkpoints
@@ -103,6 +117,8 @@ def train(s: "Session") -> str:
             ck.every_seconds is not None and time.monotonic() - last_save >= ck.every_seconds)
         if p.step == s.total_steps:
             s.record_eval(p.step, evaluate(s))
+        if guard.state.bad_in_row:
+            due = False  # never commit a state in the middle of a run of bad steps
         if due or s.control.stop or p.step == s.total_steps:
             s.save_checkpoint()
             last_save = time.monotonic()
