@@ -113,7 +113,12 @@ class Ledger:
         """Walk the chain; return (rows checked, problems). No problems means the chain is intact."""
         problems: list[AuditProblem] = []
         prev_hash, expected = GENESIS, 1
-        rows = self.db.execute("SELECT * FROM events ORDER BY seq").fetchall()
+        self.db.execute("BEGIN")  # one snapshot for rows and head, whoever is writing meanwhile
+        try:
+            rows = self.db.execute("SELECT * FROM events ORDER BY seq").fetchall()
+            head = self.db.execute("SELECT seq, hash FROM chain_head WHERE id=1").fetchone()
+        finally:
+            self.db.execute("COMMIT")
         for row in rows:
             if row["seq"] != expected:
                 problems.append(AuditProblem(expected, f"rows {expected}..{row['seq'] - 1} are missing (deleted)"))
@@ -124,7 +129,6 @@ class Ledger:
             if digest != row["hash"]:
                 problems.append(AuditProblem(row["seq"], "its content does not match its hash (edited)"))
             prev_hash, expected = row["hash"], row["seq"] + 1
-        head = self.db.execute("SELECT seq, hash FROM chain_head WHERE id=1").fetchone()
         last = rows[-1]["seq"] if rows else 0
         if head is not None and (head["seq"] != last or head["hash"] != prev_hash):
             problems.append(AuditProblem(head["seq"], f"the chain should end at row {head['seq']} but ends "

@@ -1,0 +1,185 @@
+"""The generation engine: one base model, several named adapters, each switched atomically.
+
+A request holds the engine lock from its first token to its last, so it is answered wholly by one
+adapter version; a newly committed checkpoint is loaded under the same lock and replaces the old
+version between requests.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ..checkpoint import CheckpointStore
+from ..errors import LodgerError
+from ..home import run_dir
+
+
+@dataclass
+class Slot:
+    """A served name and the adapter version that currently answers for it."""
+
+    name: str
+    kind: str                      # "base", "run" or "folder"
+    source: Path | None = None     # the run's checkpoints folder, or the adapter folder
+    run_id: str | None = None
+    version: str | None = None     # the peft adapter name now loaded, e.g. "myrun@step-00000020"
+    step: int | None = None
+    created: float = field(default_factory=time.time)
+
+
+class Engine:
+    def __init__(self, model_folder: Path, threads: int | None = None):
+        import torch
+
+        from ..model import load_base_model, load_tokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.tokenizer = load_tokenizer(model_folder)
+        self.base = load_base_model(model_folder)
+        self.base.config.use_cache = True
+        self.base.eval()
+        self.model = self.base          # becomes a PeftModel once an adapter is loaded
+        self.lock = threading.RLock()
+        self.slots: dict[str, Slot] = {"base": Slot("base", "base", version="base")}
+        self.context_length = int(getattr(self.base.config, "max_position_embeddings", 2048))
+
+    # -- adapters ----------------------------------------------------------------------------
+    def _load_adapter(self, path: Path, version: str) -> None:
+        from peft import PeftModel
+
+        if self.model is self.base:
+            self.model = PeftModel.from_pretrained(self.base, str(path), adapter_name=version)
+        else:
+            self.model.load_adapter(str(path), adapter_name=version)
+        self.model.eval()
+
+    def add_folder(self, path: Path, name: str | None = None) -> Slot:
+        path = Path(path)
+        if not (path / "adapter_config.json").is_file():
+            raise LodgerError(f"{path}: not an adapter folder (no adapter_config.json)")
+        slot = Slot(name or path.name, "folder", source=path, version=f"{name or path.name}@folder")
+        with self.lock:
+            self._load_adapter(path, slot.version)
+            self.slots[slot.name] = slot
+        return slot
+
+    def add_run(self, run_id: str, method: str) -> Slot:
+        if method != "lora":
+            raise LodgerError(f"run {run_id} trains all weights ({method}); serve its exported folder as a model")
+        slot = Slot(run_id, "run", source=run_dir(run_id) / "checkpoints", run_id=run_id)
+        self.slots[run_id] = slot
+        if not self.refresh(slot):
+            del self.slots[run_id]
+            raise LodgerError(f"run {run_id} has no committed checkpoint yet; serve it once one is committed")
+        return slot
+
+    def refresh(self, slot: Slot) -> bool:
+        """Switch a run's slot to its newest verified checkpoint if that is newer; True if loaded."""
+        if not slot.source.is_dir():
+            return False
+        store = CheckpointStore(slot.source, keep_last=2)
+        for step, path in store.committed():
+            if slot.step is not None and step <= slot.step:
+                return False
+            try:
+                store.load(path)  # verify sizes and hashes before trusting the files
+            except LodgerError:
+                continue
+            version = f"{slot.run_id}@{path.name}"
+            try:
+                with self.lock:
+                    self._load_adapter(path, version)
+                    old, slot.version, slot.step = slot.version, version, step
+                    if old and old != version:
+                        self.model.delete_adapter(old)
+            except (OSError, ValueError, KeyError):
+                continue  # pruned under our feet; the next look finds the newer one
+            return True
+        return False
+
+    def refresh_all(self) -> list[str]:
+        return [s.version for s in list(self.slots.values()) if s.kind == "run" and self.refresh(s)]
+
+    # -- generation --------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def generate(self, slot_name: str, ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
+                 seed: int | None, stop: list[str]) -> Iterator[tuple[str, str | None, str]]:
+        """Yield (text piece, finish reason or None, adapter version), holding the lock throughout."""
+        import torch
+
+        with self.lock:
+            slot = self.slots[slot_name]
+            version = slot.version
+            model = self.model
+            if slot.kind == "base" and model is not self.base:
+                context = model.disable_adapter()
+            else:
+                context = _nullcontext()
+                if model is not self.base:
+                    model.set_adapter(version)
+            generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+            input_ids = torch.tensor([ids])
+            cache, produced, text_so_far, sent = None, [], "", 0
+            eos = self.tokenizer.eos_token_id
+            with context, torch.no_grad():
+                for _ in range(max_tokens):
+                    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+                    cache = out.cache
+                    logits = out.logits[0, -1].float()
+                    token = _sample(logits, temperature, top_p, generator)
+                    if token == eos:
+                        yield text_so_far[sent:], "stop", version
+                        return
+                    produced.append(token)
+                    text_so_far = self.tokenizer.decode(produced, skip_special_tokens=True)
+                    hit = next((s for s in stop if s and s in text_so_far), None)
+                    if hit:
+                        cut = text_so_far.index(hit)
+                        yield text_so_far[sent:cut], "stop", version
+                        return
+                    if not text_so_far.endswith("\ufffd"):  # wait for whole characters
+                        yield text_so_far[sent:], None, version
+                        sent = len(text_so_far)
+                    input_ids = torch.tensor([[token]])
+            yield text_so_far[sent:], "length", version
+
+
+def _sample(logits, temperature: float, top_p: float, generator) -> int:
+    import torch
+
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def describe(slot: Slot) -> dict:
+    return {"id": slot.name, "object": "model", "created": int(slot.created), "owned_by": "lodger",
+            "lodger": {"kind": slot.kind, "version": slot.version, "step": slot.step}}
+
+
+__all__ = ["Engine", "Slot", "describe"]
