@@ -17,7 +17,7 @@ def _demo_job(folder: Path, steps: int, threads: int) -> Path:
     job = {
         "name": "demo",
         "model": {"source": "smollm2-135m-instruct"},
-        "method": {"kind": "lora", "rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "method": {"kind": "lora", "rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]},
         "data": {"train": str(data / "train.jsonl"), "eval": str(data / "eval.jsonl"), "max_length": 128},
         "training": {"steps": steps, "batch_size": 8, "learning_rate": 1e-3, "warmup_steps": 5,
                      "threads": threads, "eval_every": max(steps // 2, 1), "log_every": 10},
