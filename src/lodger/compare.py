@@ -172,7 +172,8 @@ def _verdict(c: Comparison, ra: dict, rb: dict, la: dict, lb: dict, tolerance: f
              [f"setup: {d}" for d in c.environment_differences]
     because = f" (known causes: {'; '.join(causes)})" if causes else ""
     if c.weights_equal and c.max_loss_diff == 0.0:
-        return "bitwise equal: every per-step loss and every final trainable weight is identical", True
+        note = f" (drift was recorded but changed no bit here: {'; '.join(causes)})" if causes else ""
+        return "bitwise equal: every per-step loss and every final trainable weight is identical" + note, True
     if (c.max_loss_diff or 0.0) <= tolerance and (c.max_weight_diff or 0.0) <= tolerance:
         return (f"equal within tolerance {tolerance:g} (largest loss difference {c.max_loss_diff:.3g}, "
                 f"largest weight difference {c.max_weight_diff:.3g}), not bitwise{because}"), True

@@ -1,0 +1,241 @@
+"""A killed, stopped or damaged run resumes to exactly the bits of the uninterrupted run.
+
+Every test runs the real `lodger` command on the tiny model with the standard job (see
+helpers.STANDARD_JOB) in its own LODGER_HOME and compares with the session's baseline run:
+per-step train records (loss, grad_norm, lr, tokens), eval losses, and the final adapter bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from helpers import (TOTAL_STEPS, checkpoint_dirs, describe, eval_losses, event_kinds, final_adapter_bytes,
+                     flip_byte, killed_by_sigkill, lodger_env, run_dir_of, run_lodger, show,
+                     stale_entries, start_lodger, train_losses, train_records, wait_for_step, wait_until,
+                     write_job)
+from lodger.checkpoint import FAULT_POINTS
+
+
+def ckpt(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def assert_same_as_baseline(run_dir: Path, baseline, *, check_pruned: bool = True) -> None:
+    """The resumed run's history and result are bitwise those of the uninterrupted run."""
+    losses = train_losses(run_dir)
+    assert [s for s, _ in losses] == list(range(1, TOTAL_STEPS + 1)), \
+        f"metrics.jsonl must hold each step exactly once, in order; steps are {[s for s, _ in losses]}"
+    for mine, theirs in zip(train_records(run_dir), baseline.records):
+        assert mine == theirs, f"step {theirs['step']} differs from the uninterrupted run: {mine} != {theirs}"
+    assert eval_losses(run_dir) == baseline.evals
+    assert final_adapter_bytes(run_dir) == baseline.adapter, "final adapter bytes differ from the baseline"
+    assert stale_entries(run_dir) == [], "half-written folders left behind"
+    kept = checkpoint_dirs(run_dir)
+    assert kept[-1] == ckpt(TOTAL_STEPS)
+    if check_pruned:
+        assert len(kept) == 2, f"keep_last = 2 should leave 2 checkpoints: {kept}"
+
+
+def resume(run_id: str, *extra: str, env=None):
+    result = run_lodger(["resume", run_id, *extra], env)
+    assert result.returncode == 0, describe(result)
+    return result
+
+
+def run_until_fault(job: Path, fault: str):
+    """Run the job with $LODGER_FAULT set; the process must die by SIGKILL at that point."""
+    result = run_lodger(["run", job, "--quiet"], lodger_env(LODGER_FAULT=fault))
+    assert killed_by_sigkill(result.returncode), f"expected death at fault {fault}: " + describe(result)
+    run_id = result.stdout.splitlines()[0].split()[1]
+    return run_id, run_dir_of(run_id)
+
+
+# -- (1) SIGKILL at random steps ------------------------------------------------------------
+
+def test_sigkill_at_random_steps_then_resume_is_bitwise_equal(standard_job, baseline, tmp_path):
+    seed = int(os.environ.get("LODGER_TEST_SEED") or random.randrange(2**32))
+    rng = random.Random(seed)
+    # Kill points stop at step 18 so that a kill can never land after the run finished (>= 6 steps margin).
+    kills = sorted(rng.sample(range(2, 19), rng.choice((2, 3))))
+    print(f"kill seed {seed} (rerun with LODGER_TEST_SEED={seed}); kill at steps >= {kills}")
+    proc = start_lodger(["run", standard_job], log_dir=tmp_path)
+    try:
+        run_id = proc.run_id()
+        folder = run_dir_of(run_id)
+        for segment, target in enumerate(kills):
+            seen = wait_for_step(folder, target, proc, segment=segment)
+            proc.kill(signal.SIGKILL)
+            assert killed_by_sigkill(proc.wait()), describe(proc)
+            print(f"segment {segment}: SIGKILL sent at step {seen}; checkpoints {checkpoint_dirs(folder)}")
+            proc = start_lodger(["resume", run_id], log_dir=tmp_path)
+        assert proc.wait() == 0, describe(proc)
+    finally:
+        proc.close()
+    assert_same_as_baseline(folder, baseline)
+    info = show(run_id)
+    assert info["run"]["status"] == "finished" and info["run"]["step"] == TOTAL_STEPS
+    assert event_kinds(info).count("resumed") == len(kills)
+
+
+# -- (2) death at every fault point of the checkpoint write path ---------------------------
+
+# (fault, occurrence, committed checkpoints when the process dies, leftover it must leave)
+# Checkpoints are written at steps 4, 8, ..., 24, each with 3 safetensors files; the third
+# checkpoint (step 12) is the first whose commit also prunes (keep_last = 2).
+FAULT_CASES = [
+    # dies writing the very first checkpoint: nothing committed, resume starts again from step 0
+    ("after_tensors", 1, [], ".tmp-00000004-"),
+    ("after_tensors", 7, [4, 8], ".tmp-00000012-"),
+    ("before_manifest", 3, [4, 8], ".tmp-00000012-"),
+    ("before_rename", 3, [4, 8], ".tmp-00000012-"),
+    ("before_dir_fsync", 3, [4, 8, 12], None),
+    ("during_prune", 1, [8, 12], ".trash-step-00000004-"),
+    # the last checkpoint is committed but the process dies before writing the final adapter
+    ("before_dir_fsync", 6, [16, 20, 24], None),
+]
+
+
+def test_fault_cases_cover_every_fault_point():
+    assert {case[0] for case in FAULT_CASES} == set(FAULT_POINTS)
+
+
+@pytest.mark.parametrize("fault,nth,committed,leftover", FAULT_CASES,
+                         ids=[f"{f}@{n}" for f, n, _, _ in FAULT_CASES])
+def test_death_at_fault_point_then_resume_is_bitwise_equal(standard_job, baseline, fault, nth, committed,
+                                                            leftover):
+    run_id, folder = run_until_fault(standard_job, f"{fault}@{nth}")
+    assert checkpoint_dirs(folder) == [ckpt(s) for s in committed]
+    entries = [p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith(".")]
+    if leftover:
+        assert any(e.startswith(leftover) for e in entries), f"expected a {leftover}* leftover: {entries}"
+    else:
+        assert entries == []
+    assert not (folder / "adapter").exists()
+
+    result = resume(run_id)
+    expected = f"restored checkpoint {ckpt(committed[-1])}" if committed else "starting again from step 0"
+    assert expected in result.stdout, describe(result)
+    # keep_last after resuming a run whose training was already complete: see the xfail test below
+    assert_same_as_baseline(folder, baseline, check_pruned=committed[-1:] != [TOTAL_STEPS])
+    assert show(run_id)["run"]["status"] == "finished"
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a process killed after committing the last checkpoint but before "
+                   "pruning leaves keep_last + 1 checkpoints; on resume train() returns at once (step == total), "
+                   "save_checkpoint never runs, so CheckpointStore.prune() is never called again")
+def test_resume_of_a_run_killed_after_its_last_checkpoint_prunes_to_keep_last(standard_job):
+    run_id, folder = run_until_fault(standard_job, f"before_dir_fsync@{TOTAL_STEPS // 4}")
+    resume(run_id)
+    assert checkpoint_dirs(folder) == [ckpt(TOTAL_STEPS - 4), ckpt(TOTAL_STEPS)]
+
+
+# -- (3) SIGTERM: checkpoint at the next step, exit 0, status interrupted --------------------
+
+def test_sigterm_commits_checkpoint_exits_zero_and_resume_is_bitwise_equal(standard_job, baseline, tmp_path):
+    proc = start_lodger(["run", standard_job], log_dir=tmp_path)
+    try:
+        run_id = proc.run_id()
+        folder = run_dir_of(run_id)
+        wait_for_step(folder, 6, proc)
+        proc.kill(signal.SIGTERM)
+        assert proc.wait() == 0, describe(proc)
+    finally:
+        proc.close()
+    info = show(run_id)
+    stopped = info["run"]["step"]
+    assert info["run"]["status"] == "interrupted", info["run"]
+    assert 6 <= stopped < TOTAL_STEPS
+    assert checkpoint_dirs(folder)[-1] == ckpt(stopped), "the stop must commit a checkpoint at the step reached"
+    assert max(s for s, _ in train_losses(folder)) == stopped, "no step may be trained past the checkpoint"
+    interrupted = [e for e in info["events"] if e["kind"] == "interrupted"]
+    assert interrupted and interrupted[-1]["data"]["reason"] == "SIGTERM"
+
+    result = resume(run_id)
+    assert f"restored checkpoint {ckpt(stopped)}" in result.stdout
+    assert_same_as_baseline(folder, baseline)
+    assert show(run_id)["run"]["status"] == "finished"
+
+
+# -- (4) a second SIGINT exits at once ------------------------------------------------------
+
+def test_second_sigint_exits_at_once_without_checkpoint(tiny_model_dir, e2e_data, tmp_path):
+    # A long job, so that the run cannot reach its end while the test is signalling it, with long
+    # steps (16 micro-batches), so that the first Ctrl-C is still finishing its step when the second comes.
+    job = write_job(tmp_path / "long.toml", model=tiny_model_dir, train=e2e_data["train"],
+                    eval=e2e_data["eval"], steps=5000, batch_size=8, grad_accum=16, eval_every=None)
+    proc = start_lodger(["run", job], log_dir=tmp_path)
+    try:
+        run_id = proc.run_id()
+        folder = run_dir_of(run_id)
+        wait_for_step(folder, 2, proc)
+        proc.kill(signal.SIGINT)
+        # Two signals sent back to back can merge into one (the kernel and Python both keep a flag,
+        # not a count), so send the second once the first has visibly been handled.
+        wait_until(lambda: "Ctrl-C: committing" in proc.stderr(), 60, proc.proc, what="the first Ctrl-C message",
+                   output=proc)
+        proc.kill(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.close()
+    assert code != 0, describe(proc)
+    assert "second Ctrl-C" in proc.stderr(), describe(proc)
+    reached = max(s for s, _ in train_losses(folder))
+    assert reached < 5000
+    off_grid = [c for c in checkpoint_dirs(folder) if int(c.split("-")[1]) % 4]
+    assert off_grid == [], f"the second Ctrl-C must not wait for a checkpoint: {off_grid}"
+    assert show(run_id)["run"]["status"] not in ("interrupted", "finished")
+
+
+# -- (5) resuming at another thread count: works, warns, records drift ----------------------
+
+def test_resume_with_other_thread_count_warns_and_records_drift(killed_run, baseline):
+    run_id, folder = killed_run
+    result = resume(run_id, "--threads", "2")
+    assert "no longer bitwise comparable" in result.stdout, describe(result)
+    info = show(run_id)
+    assert info["run"]["status"] == "finished"
+    drift = [e for e in info["events"] if e["kind"] == "drift"]
+    assert len(drift) == 1, event_kinds(info)
+    assert drift[0]["data"]["step"] == 8
+    assert any("threads" in d for d in drift[0]["data"]["differences"]), drift
+    assert (folder / "adapter" / "adapter_model.safetensors").is_file()
+    # What was trained before the switch is still the baseline's, bit for bit.
+    assert train_records(folder)[:8] == baseline.records[:8]
+    assert [s for s, _ in train_losses(folder)] == list(range(1, TOTAL_STEPS + 1))
+
+
+# -- (6) a damaged newest checkpoint is reported, set aside, and the previous one used -------
+
+def test_flipped_byte_in_newest_checkpoint_falls_back_to_previous(killed_run, baseline):
+    run_id, folder = killed_run
+    assert checkpoint_dirs(folder) == [ckpt(4), ckpt(8)]
+    flip_byte(folder / "checkpoints" / ckpt(8) / "adapter_model.safetensors")
+
+    result = resume(run_id)
+    assert "damaged" in result.stdout and ckpt(8) in result.stdout, describe(result)
+    assert f"restored checkpoint {ckpt(4)}" in result.stdout, describe(result)
+    assert_same_as_baseline(folder, baseline)
+    aside = [p.name for p in (folder / "checkpoints").iterdir() if p.name.startswith(f"damaged-{ckpt(8)}")]
+    assert len(aside) == 1, "the damaged checkpoint is moved aside, not deleted"
+    info = show(run_id)
+    damaged = [e for e in info["events"] if e["kind"] == "damaged_checkpoint"]
+    assert len(damaged) == 1 and damaged[0]["data"]["checkpoint"] == ckpt(8), damaged
+    assert info["run"]["status"] == "finished"
+
+
+# -- metrics.jsonl is never fsynced: after a power cut its tail can be torn -------------------
+
+@pytest.mark.xfail(strict=True, reason="BUG: Session.truncate_metrics json.loads every line of metrics.jsonl; "
+                   "a torn last line (power cut: the file is appended without fsync) makes `lodger resume` "
+                   "crash with JSONDecodeError and marks the run failed")
+def test_resume_tolerates_torn_last_line_in_metrics(killed_run, baseline):
+    run_id, folder = killed_run
+    with open(folder / "metrics.jsonl", "ab") as fh:
+        fh.write(b'{"kind": "train", "step": 13, "lo')  # a record cut short by the power cut
+    resume(run_id)
+    assert_same_as_baseline(folder, baseline)
