@@ -117,8 +117,11 @@ class Sampler:
     def measure(self, our_pids: set[int], want_gpu: bool = False) -> dict:
         busy, total = _cpu_times()
         ours_now = {pid: process_jiffies(pid) for pid in our_pids | {os.getpid()}}
-        ours_delta = sum(v - self.last_ours.get(pid, v) for pid, v in ours_now.items())
         d_busy, d_total = busy - self.last[0], max(total - self.last[1], 1)
+        # A process seen for the first time: its whole CPU time so far may fall in this interval;
+        # counting it (capped) as ours errs towards not blaming the owner for our own start-up.
+        ours_delta = sum(v - self.last_ours[pid] if pid in self.last_ours else min(v, d_busy)
+                         for pid, v in ours_now.items())
         self.last, self.last_ours = (busy, total), ours_now
         mem = _meminfo()
         ours_rss = sum(process_rss(pid) for pid in our_pids)
@@ -217,12 +220,15 @@ class Agent:
             if child.poll() is not None or (row and row["run_id"] in live):
                 del self.queue_children[queue_id]
         pids = {lock_pid(run_dir(r)) for r in live} - {None}
+        pids |= {c.pid for c in [*self.starting.values(), *self.queue_children.values()] if c.poll() is None}
         measured = self.sampler.measure(pids, want_gpu=any(self._policy(r).max_foreign_gpu_memory for r in live.values()))
         for run in runs:
             if run["id"] in self.starting:
                 continue
             if run["id"] in live:
                 self._apply_policy(run, measured)
+            elif "user" in read_requests(run_dir(run["id"])):
+                continue  # the owner paused or held it: it stays so until `lodger resume`
             elif run["managed"] and run["status"] in ("running", "held", "interrupted"):
                 self._restart(run, f"the run's process is gone (status {run['status']}): resuming")
             elif run["status"] == "paused" and self._paused_by_agent(run["id"]):

@@ -137,6 +137,7 @@ class Control:
                     raise ReleaseRequested(current.get("reason"))
                 if current["state"] != "hold":
                     break
+                self.announce("held", current)  # a new hold request gets its own answer
         self.announce("running", request)
         self.on_continue(request, time.monotonic() - started)
 

@@ -169,6 +169,31 @@ def load_base_model(folder: Path):
     return model
 
 
+def _check_targets(model, method) -> None:
+    import torch
+
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = [m for m in method.target_modules if m not in names]
+    if unknown:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ModelSourceError(f"[method] target_modules: {unknown} not in this model; "
+                               f"its linear layers are {linear}")
+
+
+def check_target_modules(folder: Path, method) -> None:
+    """Check LoRA targets against the architecture before anything is written (no weights loaded)."""
+    if method.kind != "lora":
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quiet_transformers()
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    _check_targets(skeleton, method)
+
+
 def attach_method(model, method, seed: int):
     """Wrap the model for the job's method; the LoRA initialisation is seeded for reproducibility."""
     import torch
@@ -178,13 +203,7 @@ def attach_method(model, method, seed: int):
         return model
     from peft import LoraConfig, get_peft_model
 
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    unknown = [m for m in method.target_modules if m not in names]
-    if unknown:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                         if isinstance(m, torch.nn.Linear)})
-        raise ModelSourceError(f"[method] target_modules: {unknown} not in this model; "
-                               f"its linear layers are {linear}")
+    _check_targets(model, method)
     config = LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
                         target_modules=list(method.target_modules), bias="none", task_type="CAUSAL_LM")
     torch.manual_seed(seed)

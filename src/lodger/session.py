@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import secrets
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +29,7 @@ from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this
 from .ledger import Ledger
 from .ledger import provenance as prov
 from .compare import segment_compute
-from .model import ModelSource, model_folder, resolve_source, tokenizer_hash
+from .model import ModelSource, check_target_modules, model_folder, resolve_source, tokenizer_hash
 
 JOB_FILE = "job.toml"
 
@@ -72,6 +73,7 @@ def prepare(job: JobConfig) -> Prepared:
     folder = model_folder(source)
     tokenizer = load_tokenizer(folder)
     tok_sha = tokenizer_hash(folder)
+    check_target_modules(folder, job.method)
     train_set = tokenize(train_file, tokenizer, tok_sha, job.data.max_length)
     if eval_file is not None:
         eval_set = tokenize(eval_file, tokenizer, tok_sha, job.data.max_length)
@@ -141,7 +143,8 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
 class Session:
     """The live state of one process training one run, and how it records itself."""
 
-    def __init__(self, run_id: str, prepared: Prepared, ledger: Ledger, quiet: bool = False):
+    def __init__(self, run_id: str, prepared: Prepared, ledger: Ledger, quiet: bool = False,
+                 control: Control | None = None):
         import torch
 
         from .model import attach_method, load_base_model
@@ -155,7 +158,7 @@ class Session:
         from .train.guard import Guard
         from .train.precision import Precision
 
-        self.control = Control(self.dir)
+        self.control = control or Control(self.dir)
         self.device = prepared.device
         self.applied_limits = apply_limits(self.job.limits)
         torch.set_num_threads(self.job.training.threads)
@@ -268,7 +271,12 @@ class Session:
         path = self.dir / "metrics.jsonl"
         reached = step
         if path.exists():
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            records = []
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue  # a line torn by the crash (metrics are not fsynced); its step is redone
             reached = max([step] + [r["step"] for r in records])
             kept = [json.dumps(r) + "\n" for r in records if r["step"] <= step]
             durable.atomic_write(path, "".join(kept).encode())
@@ -383,12 +391,20 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
     from .train.loop import train
 
     folder = run_dir(run_id)
+    # A limit is judged afresh by every process (`lodger resume` clears the user's and the agent's
+    # requests itself; a user's hold survives a reboot). Then the handlers, then the lock: from the
+    # moment the lock names our pid, a pause request is caught, not fatal.
+    clear_request(folder, "limit")
+    control = Control(folder).install_signal_handlers()
     lock = RunLock(folder)
     ledger = Ledger()
-    for requester in ("user", "agent", "limit"):  # a new process starts with a clean slate; `serve` may still hold
-        clear_request(folder, requester)
-    session = Session(run_id, prepared, ledger, quiet=quiet)
-    session.control.install_signal_handlers()
+    try:
+        session = Session(run_id, prepared, ledger, quiet=quiet, control=control)
+    except Exception as exc:  # e.g. out of memory while loading: recorded, not silently left "created"
+        ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=0)
+        ledger.close()
+        lock.release()
+        raise
     session.control.on_hold = lambda r: ledger.set_status(run_id, "held", "held", step=session.progress.step,
                                                           by=r.get("by"), reason=r.get("reason"))
     session.control.on_continue = lambda r, held: ledger.set_status(
@@ -398,6 +414,7 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         stale = session.store.clean_stale()
         if stale:
             reporter.message(f"removed {len(stale)} unfinished checkpoint folder(s)")
+        session.store.prune()  # a crash between a commit and its prune leaves one too many
         run = ledger.run(run_id)
         session.resumed_from = (0, 0)
         if resuming:
@@ -442,12 +459,22 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
             reporter.message(f"interrupted ({session.control.stop}) at step {session.progress.step}; "
                              f"continue with `lodger resume {run_id}`")
         session.control.announce(status)
-        if status == "paused" and (session.control.release or {}).get("by") == "limit":
-            raise LimitReached(f"run {run_id} stopped: {session.control.release.get('reason')}; "
-                               f"its checkpoint at step {session.progress.step} is committed")
+        if status == "paused":
+            # Give the machine back now: skip interpreter teardown (seconds of freeing torch and
+            # friends). The kernel drops the run lock only when the process is gone, so whoever
+            # waits on the lock sees the memory truly free.
+            reporter.close()
+            ledger.close()
+            limit = (session.control.release or {}).get("by") == "limit"
+            if limit:
+                print(f"error: run {run_id} stopped: {session.control.release.get('reason')}; its checkpoint "
+                      f"at step {session.progress.step} is committed", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(LimitReached.exit_code if limit else 0)
         return status
     except BaseException as exc:
-        if not isinstance(exc, (KeyboardInterrupt, LimitReached)):
+        if not isinstance(exc, KeyboardInterrupt):
             ledger.update_run(run_id, pid=None)
             ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=session.progress.step)
         raise

@@ -123,9 +123,6 @@ def test_hub_id_is_refused_lodger_never_downloads(tmp_path, lodger_home, job_arg
     assert "never downloads" in err and "[model] source" in err
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: [method] target_modules is checked only in model.attach_method, "
-                   "called from Session() inside execute(), after create_run() has made the run folder and "
-                   "ledger row: the run is left behind in status `created` (and `run <id>` was printed)")
 def test_unknown_target_module_fails_before_a_run_exists(tmp_path, lodger_home, job_args):
     job = write_job(tmp_path / "job.toml", **job_args, extra={"method": {"target_modules": ["nope_proj"]}})
     err = run_bad(job, lodger_home).stderr

@@ -121,7 +121,10 @@ def foreground(job: Path, env: dict[str, str], tmp_path: Path, reaper: list) -> 
     running = start_lodger(["run", job, "--quiet"], env, log_dir=tmp_path / "proc")
     reaper.append(running.proc)
     run_id = running.run_id()
-    return run_id, run_dir_of(run_id, env)
+    folder = run_dir_of(run_id, env)
+    wait_until(lambda: is_locked(folder), 120, running.proc, what=f"{run_id} to start", output=running,
+               interval=POLL)
+    return run_id, folder
 
 
 def newest_step(folder: Path) -> int:
@@ -302,10 +305,6 @@ def test_pause_and_resume_in_both_modes_is_bitwise_equal_and_a_held_run_uses_no_
         assert kinds.count(kind) == times, f"{kind!r} appears {kinds.count(kind)} times in {kinds}"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: session.execute takes the run lock (which names the pid that "
-                   "`lodger pause` and the agent signal) before Session.__init__ installs the SIGUSR1 handler; "
-                   "a pause during start-up (model loading) kills the run, since SIGUSR1's default action "
-                   "terminates the process")
 def test_a_pause_during_start_up_holds_the_run_instead_of_killing_it(tiny_model_dir, e2e_data, env, reaper,
                                                                      tmp_path):
     job = long_job(tmp_path / "job.toml", tiny_model_dir, e2e_data)
@@ -320,9 +319,37 @@ def test_a_pause_during_start_up_holds_the_run_instead_of_killing_it(tiny_model_
     notify(lock_pid(folder))
     wait_until(lambda: run_state(folder).get("state") == "held" or running.proc.poll() is not None, 120,
                what="the run to hold or exit", interval=POLL)
-    assert running.proc.poll() is None, f"the run died: {describe(running)}"
+    assert running.proc.poll() is None, f"the run exited without holding: {describe(running)}"
     lodger(["pause", running.run_id()], env)
     assert running.wait(60) == 0, describe(running)
+
+
+def test_pause_returns_once_the_process_is_gone(tiny_model_dir, e2e_data, env, reaper, tmp_path):
+    job = long_job(tmp_path / "job.toml", tiny_model_dir, e2e_data)
+    running = start_lodger(["run", job, "--quiet"], env, log_dir=tmp_path / "proc")
+    reaper.append(running.proc)
+    folder = run_dir_of(running.run_id(), env)
+    wait_until(lambda: newest_step(folder) >= 2, 120, running.proc, what="step 2", output=running, interval=POLL)
+    out = lodger(["pause", running.run_id()], env).stdout
+    assert "memory freed" in out
+    still_there = running.proc.poll() is None
+    assert running.wait(60) == 0, describe(running)
+    assert not still_there, "`lodger pause` said 'memory freed' while the training process was still alive"
+
+
+def test_pause_hold_of_a_run_the_agent_already_holds_returns_at_once(tiny_model_dir, e2e_data, env, reaper,
+                                                                     tmp_path):
+    job = long_job(tmp_path / "job.toml", tiny_model_dir, e2e_data)
+    run_id, folder = foreground(job, env, tmp_path, reaper)
+    wait_step(folder, 2)
+    write_request(folder, "agent", "hold", "on battery")  # what the agent does when a policy says yield
+    notify(lock_pid(folder))
+    held = wait_state(folder, "held", by="agent")
+    wait_until(lambda: time.time() - held["time"] > 1.5, 10, what="the hold to be a little old", interval=POLL)
+    started = time.monotonic()
+    result = run_lodger(["pause", run_id, "--hold", "--timeout", "6"], env)
+    assert result.returncode == 0, describe(result)
+    assert time.monotonic() - started < 4, "`lodger pause --hold` of a held run waited out its timeout"
 
 
 # -- the agent: yield policies ----------------------------------------------------------------------
@@ -489,6 +516,8 @@ def test_pause_all_gives_back_every_run_and_status_lists_runs_and_queue(tiny_mod
     run_ids = [detached.run_id(), in_terminal.run_id()]
     assert detached.wait(300) == 0, describe(detached)
     folders = [run_dir_of(r, env) for r in run_ids]
+    wait_until(lambda: is_locked(folders[1]), 120, in_terminal.proc, what="the run in the terminal to start",
+               output=in_terminal, interval=POLL)
     for folder in folders:
         wait_step(folder, 2)
     lodger(["queue", "add", jobs[0], "--priority", "3"], env)

@@ -125,9 +125,6 @@ def test_death_at_fault_point_then_resume_is_bitwise_equal(standard_job, baselin
     assert show(run_id)["run"]["status"] == "finished"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a process killed after committing the last checkpoint but before "
-                   "pruning leaves keep_last + 1 checkpoints; on resume train() returns at once (step == total), "
-                   "save_checkpoint never runs, so CheckpointStore.prune() is never called again")
 def test_resume_of_a_run_killed_after_its_last_checkpoint_prunes_to_keep_last(standard_job):
     run_id, folder = run_until_fault(standard_job, f"before_dir_fsync@{TOTAL_STEPS // 4}")
     resume(run_id)
@@ -230,9 +227,6 @@ def test_flipped_byte_in_newest_checkpoint_falls_back_to_previous(killed_run, ba
 
 # -- metrics.jsonl is never fsynced: after a power cut its tail can be torn -------------------
 
-@pytest.mark.xfail(strict=True, reason="BUG: Session.truncate_metrics json.loads every line of metrics.jsonl; "
-                   "a torn last line (power cut: the file is appended without fsync) makes `lodger resume` "
-                   "crash with JSONDecodeError and marks the run failed")
 def test_resume_tolerates_torn_last_line_in_metrics(killed_run, baseline):
     run_id, folder = killed_run
     with open(folder / "metrics.jsonl", "ab") as fh:

@@ -293,9 +293,6 @@ def test_a_runs_own_cpu_is_not_foreign(fake_proc: FakeProc) -> None:
     assert found["our_cpu"] == pytest.approx(0.5)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Sampler.measure counts a run's CPU as foreign in the first window "
-                   "after its pid appears (last_ours.get(pid, v) makes its delta 0), so a run that starts or is "
-                   "restarted while the agent runs is counted as other people's load for one tick")
 def test_a_run_that_appears_between_two_looks_is_not_foreign(fake_proc: FakeProc) -> None:
     sampler = Sampler()
     sampler.measure(set())
@@ -305,9 +302,6 @@ def test_a_run_that_appears_between_two_looks_is_not_foreign(fake_proc: FakeProc
     assert found["foreign_cpu"] == pytest.approx(0.0)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Agent.tick passes only the pids of runs that hold their lock to the "
-                   "sampler; workers it is still starting (self.starting, self.queue_children) load a core "
-                   "importing torch and loading the model, and that CPU is counted as foreign load")
 def test_the_agent_does_not_count_the_workers_it_starts_as_foreign(lodger_home: Path) -> None:
     class Child:
         pid = 31337

@@ -107,6 +107,8 @@ def resume(run_id: str, threads: int | None, quiet: bool, detach: bool) -> None:
             still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]
             click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
             return
+        for requester in ("user", "agent"):  # the owner asked for it: earlier pause requests are void
+            clear_request(folder, requester)
         if detach:
             ledger.update_run(run["id"], managed=1)
     if detach:

@@ -1,0 +1,136 @@
+"""Command that predicts: estimate (memory and time of a job before it runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import click
+
+GiB = 2**30
+
+_NOTES = {
+    "runtime": "torch, transformers and peft imported (measured)",
+    "weights": "{total} parameters in fp32",
+    "gradients": "{trainable} trainable parameters, fp32",
+    "optimizer": "AdamW: two fp32 moments per trainable parameter",
+    "activations": "{checkpointing}batch {batch} x {seq} tokens",
+    "logits_and_loss": "logits, shifted copy and log-softmax over {vocab} tokens",
+    "buffers": "tokenizer, attention mask, kernels' scratch",
+    "allocator": "memory the allocator keeps after freeing it",
+    "autocast_copies": "{precision} copy of every linear weight",
+}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _longest_example(train_set) -> int:
+    offsets = train_set.offsets
+    return int((offsets[1:] - offsets[:-1]).max())
+
+
+@click.command()
+@click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--measure", is_flag=True,
+              help="Also run 3 real training steps at the job's shape in a separate process and compare.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def estimate(job: Path, measure: bool, as_json: bool) -> None:
+    """Will JOB fit in memory, and how long will it take?
+
+    Prints the expected peak memory item by item (from the model's config.json, the batch, the
+    longest training example, the method and precision), the memory available (MemAvailable and
+    [limits] memory_gb), and the expected time per step and for the whole job. With --measure,
+    a few real steps run in a fresh process and their peak resident memory is compared with the
+    estimate. Exits 3 when the job does not fit.
+
+    Example: lodger estimate my-job.toml --measure
+    """
+    from .. import memory
+    from ..config import load_job
+    from ..session import prepare
+
+    cfg = load_job(job)
+    prepared = prepare(cfg)
+    threads = cfg.training.threads or len(os.sched_getaffinity(0))
+    model_config = json.loads((prepared.folder / "config.json").read_text())
+    seq = min(cfg.data.max_length, _longest_example(prepared.train_set))
+    rate = memory.flops_per_second(threads, cfg.training.precision)
+    est = memory.estimate(cfg, model_config, seq_len=seq, flops_per_second=rate,
+                          total_steps=prepared.total_steps,
+                          runtime_bytes=memory.runtime_bytes(threads=threads, use_current=False))
+    available = memory.memory_available()
+    limit = int(cfg.limits.memory_gb * GiB) if cfg.limits.memory_gb else None
+    budget = min(available, limit) if limit else available
+    fits = est.total_bytes <= budget
+    measured = memory.measure(cfg, prepared.folder, seq_len=seq, steps=3) if measure else None
+
+    if as_json:
+        out = {"estimate": est.to_dict(), "available_bytes": available, "limit_bytes": limit, "fits": fits,
+               "flops_per_second": rate, "total_steps": prepared.total_steps,
+               "suggestions": [] if fits else memory.suggestions(est, cfg, budget)}
+        if measured:
+            out["measured"] = {"peak_bytes": measured.peak_bytes, "step_seconds": measured.step_seconds,
+                               "ratio": est.total_bytes / measured.peak_bytes}
+        click.echo(json.dumps(out, indent=1))
+    else:
+        _print(job, cfg, est, model_config, rate, prepared.total_steps, available, limit, fits, budget, measured)
+    if not fits:
+        raise click.exceptions.Exit(3)
+
+
+def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fits, budget, measured) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .. import memory
+
+    console = Console(highlight=False)
+    shape = memory.model_shape(model_config)
+    values = {"total": _count(est.total_params), "trainable": _count(est.trainable_params),
+              "batch": est.batch_size, "seq": est.seq_len, "vocab": f"{shape.vocab:,}",
+              "precision": cfg.training.precision,
+              "checkpointing": "checkpointed, " if cfg.training.gradient_checkpointing else ""}
+    table = Table(title=f"{path}: peak memory on {est.device} ({cfg.method.kind}, {cfg.training.precision})",
+                  box=None, title_justify="left")
+    table.add_column("item")
+    table.add_column("GiB", justify="right")
+    table.add_column("")
+    for name, size in est.items.items():
+        style = "bold" if name == est.largest else None
+        table.add_row(name, f"{size / GiB:.2f}", _NOTES.get(name, "").format(**values), style=style)
+    if est.overlap_bytes:
+        table.add_row("(not at once)", f"-{est.overlap_bytes / GiB:.2f}",
+                      "gradients fill while activations are freed")
+    table.add_row("total (peak)", f"{est.total_bytes / GiB:.2f}", f"largest: {est.largest}", style="bold")
+    console.print(table)
+    limit_text = f"; [limits] memory_gb {limit / GiB:.2f} GiB" if limit else ""
+    verdict = "[green]fits[/green]" if fits else "[red]does not fit[/red]"
+    console.print(f"available: {available / GiB:.2f} GiB (MemAvailable){limit_text} -> {verdict}")
+    if est.step_seconds is not None:
+        whole = (f", about {_duration(est.job_seconds)} for {total_steps} steps" if est.job_seconds else "")
+        console.print(f"time: about {_duration(est.step_seconds)} per step "
+                      f"({est.flops_per_step / 1e12:.2f} TFLOP at a measured {rate / 1e9:.0f} GFLOP/s matmul "
+                      f"rate){whole}")
+    if not fits:
+        for line in memory.suggestions(est, cfg, budget):
+            console.print(f"  - {line}", markup=False)
+    if measured:
+        ratio = est.total_bytes / measured.peak_bytes
+        per_step = sum(measured.step_seconds[1:]) / max(1, len(measured.step_seconds) - 1)
+        console.print(f"measured: peak resident {measured.peak_bytes / GiB:.2f} GiB over "
+                      f"{len(measured.step_seconds)} steps ({per_step:.1f} s/step); "
+                      f"estimate / measured = {ratio:.2f}")
+
+
+COMMANDS = [estimate]

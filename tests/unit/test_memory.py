@@ -1,0 +1,141 @@
+"""The memory estimator: close to the measured peak RSS of real steps, and it moves the right way."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from fixtures_lib import build_tiny_model
+
+from lodger import memory
+from lodger.config import JobConfig
+from lodger.errors import ModelSourceError
+
+# SmolLM2-135M's config.json numbers: the pure tests need no files.
+SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True}
+RUNTIME = 350 * 2**20
+
+
+def make_job(source: str | Path = "model", kind: str = "lora", batch: int = 4, seq: int = 128,
+             **training) -> JobConfig:
+    return JobConfig.model_validate({
+        "model": {"source": str(source)}, "method": {"kind": kind},
+        "data": {"train": "train.jsonl", "max_length": seq},
+        "training": {"steps": 2, "batch_size": batch, "threads": 2, **training}})
+
+
+def smol(job: JobConfig, **kwargs) -> memory.Estimate:
+    return memory.estimate(job, SMOLLM2, runtime_bytes=RUNTIME, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with realistic proportions (hidden 256, 4 layers), big enough for activations to show."""
+    return build_tiny_model(tmp_path_factory.mktemp("wide") / "model", hidden=256, layers=4, heads=4,
+                            kv_heads=2, intermediate=688)
+
+
+def test_estimate_is_within_15_percent_of_measured_peak_rss_on_tiny_models(wide_model_dir: Path,
+                                                                           lodger_home: Path) -> None:
+    config = json.loads((wide_model_dir / "config.json").read_text())
+    cases = [(kind, seq) for kind in ("lora", "full") for seq in (64, 256)]
+    jobs = {case: make_job(wide_model_dir, kind=case[0], batch=4, seq=case[1]) for case in cases}
+    with ThreadPoolExecutor(max_workers=len(cases) + 1) as pool:  # each measurement is its own process
+        runtime = pool.submit(memory.runtime_bytes, threads=2, use_current=False)
+        measured = {case: pool.submit(memory.measure, job, wide_model_dir, steps=2) for case, job in jobs.items()}
+        runtime_bytes = runtime.result()
+        peaks = {case: future.result().peak_bytes for case, future in measured.items()}
+    ratios = {case: memory.estimate(jobs[case], config, runtime_bytes=runtime_bytes).total_bytes / peaks[case]
+              for case in cases}
+    shown = ", ".join(f"{kind} seq{seq}: {ratio:.3f}" for (kind, seq), ratio in ratios.items())
+    assert all(0.85 <= r <= 1.15 for r in ratios.values()), f"estimate / measured: {shown}"
+    assert list((lodger_home / "cache" / "runtime").glob("*.json")), "the runtime size is cached"
+
+
+def test_parameter_counts_match_the_loaded_model(tiny_model_dir: Path) -> None:
+    from lodger.model import attach_method, load_base_model
+
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    job = make_job(tiny_model_dir, kind="lora")
+    job.method.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = attach_method(load_base_model(tiny_model_dir), job.method, seed=0)
+    est = memory.estimate(job, config, runtime_bytes=RUNTIME)
+    assert est.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert est.total_params == sum(p.numel() for p in model.get_base_model().parameters() if not p.requires_grad)
+
+
+def test_bigger_batches_and_longer_sequences_need_more_memory() -> None:
+    base = smol(make_job(batch=2, seq=128))
+    for bigger in (smol(make_job(batch=4, seq=128)), smol(make_job(batch=2, seq=256))):
+        assert bigger.items["activations"] > base.items["activations"]
+        assert bigger.items["logits_and_loss"] > base.items["logits_and_loss"]
+        assert bigger.total_bytes > base.total_bytes
+
+
+def test_gradient_checkpointing_keeps_fewer_activations() -> None:
+    for kind in ("lora", "full"):
+        plain = smol(make_job(kind=kind, seq=256))
+        checkpointed = smol(make_job(kind=kind, seq=256, gradient_checkpointing=True))
+        assert checkpointed.items["activations"] < plain.items["activations"] / 5
+        assert checkpointed.total_bytes < plain.total_bytes
+
+
+def test_lora_needs_far_less_optimizer_state_than_full_fine_tuning() -> None:
+    lora, full = smol(make_job(kind="lora")), smol(make_job(kind="full"))
+    assert lora.trainable_params == 30 * 8 * ((576 + 576) + (576 + 192))  # r*(in+out) on q_proj and v_proj
+    assert lora.items["optimizer"] * 100 < full.items["optimizer"]
+    assert full.items["optimizer"] == 8 * full.total_params  # two fp32 AdamW moments
+    assert full.items["gradients"] == 4 * full.total_params
+
+
+def test_bf16_halves_most_activations_but_keeps_a_copy_of_the_weights() -> None:
+    fp32, bf16 = smol(make_job(kind="full", seq=256)), smol(make_job(kind="full", seq=256, precision="bf16"))
+    assert bf16.items["activations"] < 0.75 * fp32.items["activations"]
+    assert bf16.items["autocast_copies"] > 0.4 * fp32.items["weights"]
+
+
+def test_suggestions_name_the_largest_item_and_what_would_fit() -> None:
+    job = make_job(kind="full", batch=8, seq=512)
+    est = smol(job)
+    available = est.total_bytes // 2
+    lines = memory.suggestions(est, job, available)
+    assert est.largest in lines[0] and est.largest == max(
+        (k for k in est.items if k != "runtime"), key=est.items.get)
+    text = "\n".join(lines)
+    assert 'kind = "lora"' in text
+    assert "gradient_checkpointing = true" in text
+    batch_line = next(line for line in lines if "batch_size =" in line)
+    assert "grad_accum =" in batch_line and "the same 8 examples per step" in batch_line
+    assert "(fits)" in text
+
+
+def test_time_estimate_follows_the_flop_rate_and_step_count() -> None:
+    job = make_job(kind="lora")
+    fast, slow = smol(job, flops_per_second=2e11), smol(job, flops_per_second=1e11)
+    assert slow.step_seconds == pytest.approx(2 * fast.step_seconds)
+    assert fast.job_seconds == pytest.approx(job.training.steps * fast.step_seconds)
+    assert smol(make_job(kind="full"), flops_per_second=1e11).step_seconds > slow.step_seconds
+    assert memory.flops_per_second(threads=1, seconds=0.05) > 1e8
+
+
+def test_a_config_without_the_architecture_is_an_error_naming_the_keys() -> None:
+    with pytest.raises(ModelSourceError, match="num_hidden_layers"):
+        memory.estimate(make_job(), {"hidden_size": 8, "vocab_size": 10, "num_attention_heads": 2},
+                        runtime_bytes=RUNTIME)
+
+
+def test_estimate_command_prints_json(tiny_model_dir: Path, chat_data: dict, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
+    from lodger.cli.estimate import estimate
+
+    job = tmp_path / "job.toml"
+    job.write_text(f'[model]\nsource = "{tiny_model_dir}"\n[data]\ntrain = "{chat_data["train"]}"\n'
+                   f'max_length = 64\n[training]\nsteps = 10\nbatch_size = 2\nthreads = 1\n')
+    estimate.main([str(job), "--json"], standalone_mode=False)
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True
+    assert out["estimate"]["total_bytes"] == sum(out["estimate"]["items"].values()) - out["estimate"]["overlap_bytes"]
+    assert out["estimate"]["seq_len"] <= 64 and out["estimate"]["job_seconds"] > 0
