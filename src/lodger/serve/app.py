@@ -43,6 +43,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
     max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = False
@@ -118,13 +119,13 @@ def create_app(engine: Engine, *, token: str | None = None, max_queue: int = 8, 
                            param="model", code="model_not_found")
         return body
 
-    def budget(body: _Sampling, prompt_ids: list[int]) -> int:
+    def budget(body: _Sampling, prompt_ids: list[int], param: str) -> int:
         room = engine.context_length - len(prompt_ids)
-        wanted = body.max_tokens or min(256, room)
+        wanted = body.max_completion_tokens or body.max_tokens or min(256, room)
         if room <= 0 or wanted > room:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {wanted}; the model's "
                            f"context length is {engine.context_length}: shorten the prompt or lower max_tokens",
-                           param="messages", code="context_length_exceeded")
+                           param=param, code="context_length_exceeded")
         return wanted
 
     def admit() -> None:
@@ -172,7 +173,7 @@ def create_app(engine: Engine, *, token: str | None = None, max_queue: int = 8, 
             cancelled.set()
 
     async def complete(body: _Sampling, ids: list[int], chat: bool):
-        max_tokens = budget(body, ids)
+        max_tokens = budget(body, ids, "messages" if chat else "prompt")
         admit()
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())

@@ -132,6 +132,7 @@ class Engine:
             input_ids = torch.tensor([ids])
             cache, produced, text_so_far, sent = None, [], "", 0
             eos = self.tokenizer.eos_token_id
+            holdback = max((len(x) for x in stop if x), default=1) - 1  # a stop string may span tokens
             with context, torch.no_grad():
                 for _ in range(max_tokens):
                     out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -148,9 +149,10 @@ class Engine:
                         cut = text_so_far.index(hit)
                         yield text_so_far[sent:cut], "stop", version
                         return
-                    if not text_so_far.endswith("\ufffd"):  # wait for whole characters
-                        yield text_so_far[sent:], None, version
-                        sent = len(text_so_far)
+                    safe = len(text_so_far) - holdback
+                    if safe > sent and not text_so_far[:safe].endswith("\ufffd"):  # whole characters only
+                        yield text_so_far[sent:safe], None, version
+                        sent = safe
                     input_ids = torch.tensor([[token]])
             yield text_so_far[sent:], "length", version
 
