@@ -47,3 +47,9 @@ class LimitReached(LodgerError):
     """A run hit one of its resource limits; its checkpoint is committed and it stopped."""
 
     exit_code = 3
+
+
+class PreflightError(LodgerError):
+    """The job is not expected to fit in memory; nothing was written. The message says what would fit."""
+
+    exit_code = 2

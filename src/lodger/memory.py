@@ -1,28 +1,33 @@
 """The estimator: peak memory and time of a training job, from the model's config.json.
 
-Peak resident memory (CPU) is modelled as what is alive at the worst moment of a step:
+Peak resident memory (CPU) is the sum of these items (``Estimate.items``, bytes):
 
-    runtime + weights + optimizer + max(activations + logits_and_loss + autocast_copies, gradients)
-            + buffers + allocator
-
-* runtime: the process after importing torch, transformers and peft (measured, cached).
+* runtime: the process after importing torch, transformers and peft (measured once, cached).
 * weights: every parameter in fp32 (lodger loads fp32), plus the LoRA matrices.
-* gradients / optimizer: fp32 gradient and two fp32 AdamW moments per trainable parameter.
-* activations: the tensors autograd saves for the backward pass. Per layer and token they were
-  counted op by op on Llama-architecture models (transformers 5, torch 2.13, SDPA attention on
-  CPU, which saves q, k and v repeated to every head, the output and a float copy of the padding
-  mask); see ``_layer_bytes``. Gradient checkpointing keeps each layer's input plus one
-  recomputed layer.
+* gradients, optimizer: an fp32 gradient and two fp32 AdamW moments per trainable parameter.
+* activations: the tensors autograd saves for the backward pass, counted op by op on Llama-style
+  models (transformers 5, torch 2.13, SDPA on CPU, which keeps q, k and v repeated to every
+  head, the output and a float copy of the padding mask); see ``_layer_bytes``. With gradient
+  checkpointing: each layer's input plus one recomputed layer.
 * logits_and_loss: ``token_loss_sum`` holds the logits, their shifted copy and the log-softmax
-  at once: 12 bytes per token and vocabulary entry.
-* autocast_copies: under bf16/fp16 autocast every linear weight is cast once per step and
-  kept until the backward pass (half the fp32 weights) - on CPU this can outweigh what
-  half-precision activations save.
-* buffers: tokenizer, attention mask, rotary tables.
-* allocator: memory glibc keeps after the first step frees it (calibrated, see ALLOCATOR_*).
+  at once: 12 bytes per token and vocabulary entry (SmolLM2: 49,152 entries).
+* autocast_copies (bf16/fp16): autocast casts every linear weight once per step and keeps the
+  copy until the backward pass, half the fp32 weights; on CPU this can outweigh what
+  half-precision activations save (SmolLM2 LoRA, seq 128, measured: bf16 1.70 GiB, fp32 1.50).
+* checkpoint: a checkpoint's files as bytes in memory while it is built between steps, 5 x the
+  trainable weights (CHECKPOINT_COPIES); for full fine-tuning often the real peak.
+* buffers: tokenizer, attention mask, kernels' scratch.
+* allocator: what glibc keeps resident after freeing it (see ALLOCATOR_RETAINED).
 
-The constants below were fitted to measured peak RSS (VmHWM) of real steps of lodger's own
-training pieces in fresh processes (``measure``); ``bench/memory.py`` prints the comparison.
+``total_bytes`` is the sum less ``overlap_bytes``, the items never resident at the same moment.
+With glibc's default allocator that is only the logits, freed before a checkpoint is built: the
+heap keeps what activations free during the backward pass instead of handing it to the
+gradients (measured). With the mmap threshold pinned (``pin_allocator``), or on a GPU, the
+resident set is the live set: activations and gradients of full fine-tuning, and the step's
+memory and the checkpoint, are not resident together.
+
+The constants were fitted to the peak RSS (VmHWM) of real steps of lodger's own training pieces,
+each in a fresh process (``measure``); ``bench/memory.py`` prints the comparison for SmolLM2.
 """
 
 from __future__ import annotations
@@ -49,10 +54,23 @@ GiB = 2**30
 TOKENIZER_FIXED = int(2.5 * 2**20)   # a loaded fast tokenizer: its first template and tables
 TOKENIZER_BYTES_PER_VOCAB = 940     # ... and per vocabulary entry (SmolLM2, 49,152 entries: 46 MB)
 BUFFERS_FIXED = 8 * 2**20           # model-independent scratch: autograd engine, kernels' workspaces
-ALLOCATOR_FRACTION = 0.0            # glibc retention after step 1, as a share of activations
+# With glibc's default (dynamic) mmap threshold, the first tensors freed raise the threshold to
+# their size, so from then on activation-sized tensors come from the heap, and what a step frees
+# stays resident, only partly reusable by the next step's differently sized tensors. Measured on
+# SmolLM2 (LoRA and full, seq 128/256, with and without checkpointing): gradients never reuse
+# what the activations free (so both count in full), and about half of the step's transient bytes
+# (activations, logits, autocast copies) stay resident on top, except that the gradients' own
+# memory, freed at every zero_grad, absorbs it. With the threshold pinned (pin_allocator) the
+# measured peak is the live set.
+ALLOCATOR_RETAINED = 0.5
+RUNS_PIN_ALLOCATOR = False          # True once `lodger run` calls pin_allocator() at start-up
 GPU_CONTEXT_BYTES = 600 * 2**20     # CUDA context + cuBLAS workspace (uncalibrated: no GPU here)
 GPU_ALLOCATOR_FRACTION = 0.10       # caching-allocator fragmentation on GPU (uncalibrated)
-MATMUL_EFFICIENCY = 0.5             # share of the benchmarked matmul rate a training step reaches
+# A training step reached 0.1-0.4 (median 0.2) of the matmul benchmark's rate on SmolLM2 here
+# (2 threads, fp32, on a loaded machine): elementwise ops, attention and the allocator's page
+# faults do not run at matmul speed. Time estimates are good to about a factor of two.
+MATMUL_EFFICIENCY = 0.2
+CHECKPOINT_COPIES = 5               # a checkpoint's bytes in memory: 5 x the trainable weights (measured)
 
 # Linear layers of a Llama-style decoder layer: name -> (in, out) as functions of the shape.
 _LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -140,7 +158,7 @@ def _layer_bytes(shape: Shape, seq: int, method, half: bool) -> float:
         norms = 4 * h * 4
         linear_inputs = (5 * h if half else 2 * h) * e   # bf16: q,k,v,gate,up each cast normed input
         return norms + linear_inputs + attention + 4 * i * e
-    targets = [t for t in method.target_modules if t in _LAYER_MODULES or t not in ("lm_head", "embed_tokens")]
+    targets = [t for t in method.target_modules if t not in ("lm_head", "embed_tokens")]
     dropout = getattr(method, "dropout", 0.0) > 0
     inputs = 0.0
     shared: set[str] = set()
@@ -196,7 +214,7 @@ class Estimate:
     device: str
     batch_size: int
     seq_len: int
-    overlap_bytes: int = 0              # items never alive at the same moment (gradients vs activations)
+    overlap_bytes: int = 0              # bytes of items never resident at the same moment
     step_seconds: float | None = None
     job_seconds: float | None = None
     flops_per_step: float | None = None
@@ -210,11 +228,13 @@ class Estimate:
 
 def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None,
              runtime_bytes: int | None = None, device: str = "cpu",
-             flops_per_second: float | None = None, total_steps: int | None = None) -> Estimate:
+             flops_per_second: float | None = None, total_steps: int | None = None,
+             pinned_allocator: bool | None = None) -> Estimate:
     """Peak memory of ``job`` on ``device`` ("cpu": resident set; "cuda": GPU memory).
 
     ``seq_len`` defaults to [data] max_length (the widest batch); ``runtime_bytes`` to
-    ``runtime_bytes()`` on CPU. With ``flops_per_second`` (see ``flops_per_second()``) the
+    ``runtime_bytes()`` on CPU; ``pinned_allocator`` to RUNS_PIN_ALLOCATOR (whether the training
+    process pins glibc's mmap threshold). With ``flops_per_second`` (see ``flops_per_second()``) the
     estimate also carries seconds per optimizer step and, when the step count is known, per job.
     """
     shape = model_shape(model_config)
@@ -240,32 +260,50 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
         copies += 2 * trainable if method.kind == "lora" else 0
     mask = batch * seq * seq  # the boolean causal/padding mask, built once per forward
     buffers = BUFFERS_FIXED + mask + (0 if gpu else TOKENIZER_FIXED + TOKENIZER_BYTES_PER_VOCAB * shape.vocab)
+    transient = activations + loss + copies       # freed again by the end of each step
+    # A checkpoint serialises the trainable weights and both AdamW moments to bytes in memory
+    # between steps (Session.save_checkpoint): see CHECKPOINT_COPIES. On a GPU they are CPU bytes.
+    checkpoint = 0.0 if gpu else CHECKPOINT_COPIES * 4 * trainable
     if gpu:
         runtime = GPU_CONTEXT_BYTES if runtime_bytes is None else runtime_bytes
-        allocator = GPU_ALLOCATOR_FRACTION * (activations + loss)
+        allocator = GPU_ALLOCATOR_FRACTION * transient
+        overlap = _not_alive_together(transient, gradients, checkpoint, method.kind)
     else:
         runtime = _measured_runtime(threads=cfg.threads) if runtime_bytes is None else runtime_bytes
-        allocator = ALLOCATOR_FRACTION * saved
-
-    forward_peak = activations + loss + copies + (gradients if method.kind == "lora" else 0)
-    dynamic = max(forward_peak, gradients)
+        pinned = RUNS_PIN_ALLOCATOR if pinned_allocator is None else pinned_allocator
+        if pinned:   # freed memory goes straight back to the system: resident = alive
+            allocator = 0.0
+            overlap = _not_alive_together(transient, gradients, checkpoint, method.kind)
+        else:        # glibc's dynamic mmap threshold (see ALLOCATOR_RETAINED): the heap keeps what a
+            # step freed, except the logits, whose blocks are too big for it; the checkpoint's
+            # bytes come on top of the rest
+            allocator = max(0.0, ALLOCATOR_RETAINED * transient - gradients)
+            overlap = min(checkpoint, loss)
     items = {"runtime": runtime, "weights": weights, "gradients": gradients, "optimizer": optimizer,
-             "activations": activations, "logits_and_loss": loss, "buffers": buffers,
-             "allocator": allocator}
+             "activations": activations, "logits_and_loss": loss, "checkpoint": checkpoint,
+             "buffers": buffers, "allocator": allocator}
     if half:
         items["autocast_copies"] = copies
     items = {k: int(round(v)) for k, v in items.items()}
-    overlap = int(round(activations + loss + copies + gradients - dynamic))
+    overlap = int(round(overlap))
     total_bytes = sum(items.values()) - overlap
     largest = max((k for k in items if k != "runtime"), key=lambda k: items[k])
     est = Estimate(items=items, trainable_params=trainable, total_params=total, total_bytes=total_bytes,
                    largest=largest, device=device, batch_size=batch, seq_len=seq, overlap_bytes=overlap,
                    _inputs={"model_config": model_config, "runtime_bytes": runtime, "device": device,
-                            "flops_per_second": flops_per_second, "total_steps": total_steps})
+                            "pinned_allocator": pinned_allocator})
     if flops_per_second:
         est.flops_per_step, est.step_seconds, est.job_seconds = estimate_time(
             job, model_config, flops_per_second, seq_len=seq, total_steps=total_steps)
     return est
+
+
+def _not_alive_together(transient: float, gradients: float, checkpoint: float, kind: str) -> float:
+    """Bytes of items never alive at the same moment when freed memory is reused at once: the
+    backward pass frees activations as it fills the gradients (full fine-tuning), and a checkpoint
+    is built between steps, when both are free again."""
+    step = max(transient + (gradients if kind == "lora" else 0), gradients)
+    return transient + gradients + checkpoint - max(step, checkpoint)
 
 
 def step_flops(job: "JobConfig", model_config: dict, *, seq_len: int | None = None) -> float:
@@ -309,18 +347,18 @@ def _apply(job: "JobConfig", changes: dict[str, dict]) -> "JobConfig":
 def _again(est: Estimate, job: "JobConfig", seq_len: int | None = None) -> Estimate:
     i = est._inputs
     return estimate(job, i["model_config"], seq_len=seq_len or est.seq_len, runtime_bytes=i["runtime_bytes"],
-                    device=i["device"])
+                    device=i["device"], pinned_allocator=i["pinned_allocator"])
 
 
 def suggestions(est: Estimate, job: "JobConfig", available_bytes: int) -> list[str]:
     """What would make the job fit in ``available_bytes``, each with the total it would need.
 
     The first line names the largest item; then every single change that lowers the total
-    (marked when it alone fits); then all of them together when none is enough alone."""
+    (marked when it alone fits); then the best combination when none is enough alone."""
     cfg = job.training
     lines = [f"the largest item is {est.largest}: {_fmt(est.items[est.largest])} of {_fmt(est.total_bytes)} "
              f"in all, with {_fmt(available_bytes)} available"]
-    options: list[tuple[str, dict, int | None]] = []
+    options: list[tuple[str, dict, int | None]] = []   # (advice, changes, sequence length if changed)
     if job.method.kind == "full":
         options.append(('train a LoRA adapter instead of every weight ([method] kind = "lora")',
                         {"method": {"kind": "lora"}}, None))
@@ -341,7 +379,7 @@ def suggestions(est: Estimate, job: "JobConfig", available_bytes: int) -> list[s
         shorter = max(64, est.seq_len // 2)
         options.append((f"[data] max_length = {shorter} (longer examples are cut)",
                         {"data": {"max_length": shorter}}, shorter))
-    together: dict[str, dict] = {}
+    helpful: list[tuple[int, str, dict]] = []
     any_fits = False
     for text, changes, seq in options:
         after = _again(est, _apply(job, changes), seq)
@@ -352,15 +390,21 @@ def suggestions(est: Estimate, job: "JobConfig", available_bytes: int) -> list[s
         lines.append(f"{text}: {est.largest} {_fmt(est.items[est.largest])} -> "
                      f"{_fmt(after.items.get(est.largest, 0))}, total {_fmt(after.total_bytes)} "
                      f"({'fits' if fits else 'still too big'})")
-        if seq is None:
-            for section, values in changes.items():
-                together.setdefault(section, {}).update(values)
-    if not any_fits and len(together) > 0 and len(lines) > 2:
-        after = _again(est, _apply(job, together))
-        fits = after.total_bytes <= available_bytes
-        any_fits |= fits
-        lines.append(f"all of these but max_length together: total {_fmt(after.total_bytes)} "
-                     f"({'fits' if fits else 'still too big'})")
+        if seq is None:  # a shorter max_length changes what is learnt: never combined silently
+            helpful.append((after.total_bytes, text.split(" (")[0], changes))
+    if not any_fits and len(helpful) > 1:
+        # Greedily combine the changes, best first, keeping each only if it still lowers the total.
+        combined, total, used = job, est.total_bytes, []
+        for _, text, changes in sorted(helpful, key=lambda h: h[0]):
+            candidate = _again(est, _apply(combined, changes)).total_bytes
+            if candidate < total:
+                combined, total = _apply(combined, changes), candidate
+                used.append(text)
+        if len(used) > 1:
+            fits = total <= available_bytes
+            any_fits |= fits
+            lines.append(f"together, {' and '.join(used)}: total {_fmt(total)} "
+                         f"({'fits' if fits else 'still too big'})")
     if not any_fits:
         lines.append("or free memory (close other programs), or raise [limits] memory_gb if it is below "
                      "what the machine has")
@@ -378,6 +422,24 @@ def _proc_status(key: str) -> int:
     except OSError:
         pass
     return 0
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+def pin_allocator(threshold: int = 64 * 1024) -> bool:
+    """Fix glibc's mmap threshold, so every block of ``threshold`` bytes or more is its own mapping,
+    returned to the system the moment it is freed: the resident set then follows the live tensors
+    instead of keeping what earlier steps freed. Call it once, as early as possible. Returns False
+    where the C library is not glibc (nothing changes)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False
 
 
 def memory_available() -> int:
@@ -476,7 +538,7 @@ def flops_per_second(threads: int | None = None, precision: str = "fp32", second
 class Measurement:
     """Peak resident memory of a few real training steps, measured in a fresh process."""
 
-    peak_bytes: int                 # VmHWM at the end
+    peak_bytes: int                 # VmHWM at the end (the steps, then a checkpoint's bytes)
     import_bytes: int               # VmRSS after the imports
     step_peaks: list[int]           # VmHWM after each step
     step_seconds: list[float]
@@ -484,11 +546,14 @@ class Measurement:
 
 
 def measure(job: "JobConfig", folder: Path, *, seq_len: int | None = None, steps: int = 2,
-            timeout: float | None = None) -> Measurement:
+            timeout: float | None = None, pinned_allocator: bool | None = None) -> Measurement:
     """Run ``steps`` real optimizer steps of ``job`` at its shape (batch_size x seq_len synthetic
-    tokens, one row padded) in a fresh process, as `lodger run` does them, and measure its peak RSS."""
+    tokens, one row padded) in a fresh process, as `lodger run` does them, and measure its peak RSS.
+
+    ``pinned_allocator`` (default RUNS_PIN_ALLOCATOR) calls pin_allocator() first, as such a run would."""
+    pinned = RUNS_PIN_ALLOCATOR if pinned_allocator is None else pinned_allocator
     spec = {"job": job.model_dump(mode="json"), "folder": str(folder),
-            "seq_len": int(seq_len or job.data.max_length), "steps": steps}
+            "seq_len": int(seq_len or job.data.max_length), "steps": steps, "pinned": pinned}
     threads = job.training.threads or len(os.sched_getaffinity(0))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -510,12 +575,14 @@ def _measure_child() -> None:
     import contextlib
 
     spec = json.loads(sys.stdin.read())
+    if spec.get("pinned"):
+        pin_allocator()
     import torch
 
     from .config import JobConfig
-    from .model import attach_method, load_base_model, load_tokenizer
+    from .model import adapter_files, attach_method, load_base_model, load_tokenizer
     from .train.loop import token_loss_sum
-    from .train.optim import build_optimizer
+    from .train.optim import build_optimizer, optimizer_files
 
     job = JobConfig.model_validate(spec["job"])
     cfg = job.training
@@ -558,6 +625,10 @@ def _measure_child() -> None:
         step_peaks.append(_proc_status("VmHWM"))
         phases[f"step{len(step_peaks)}"] = _proc_status("VmRSS")
     phases["file"] = _proc_status("RssFile")
+    # A checkpoint as Session.save_checkpoint builds it: every file's bytes in memory at once.
+    files = {**adapter_files(model, job.method), **optimizer_files(optimizer)}
+    phases["checkpoint_bytes"] = sum(len(v) for v in files.values())
+    del files
     print("MEASURED " + json.dumps({"peak_bytes": _proc_status("VmHWM"), "import_bytes": import_bytes,
                                     "step_peaks": step_peaks, "step_seconds": step_seconds,
                                     "phases": phases}), flush=True)

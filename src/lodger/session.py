@@ -22,7 +22,7 @@ from .checkpoint import Checkpoint, CheckpointStore
 from .config import JobConfig, load_job, to_toml, total_steps
 from .control import Control, clear_request, write_request
 from .data import DataFile, Sampler, TokenizedSet, read_jsonl, split_indices, tokenize
-from .errors import JobFileError, LimitReached, RunStateError
+from .errors import JobFileError, LimitReached, PreflightError, RunStateError
 from .home import run_dir, runs_dir
 from .train.guard import GuardState
 from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this module's API)
@@ -116,8 +116,39 @@ def _job_hash(job: JobConfig) -> str:
     return hashlib.sha256(json.dumps(job.resolved_dict(), sort_keys=True).encode()).hexdigest()
 
 
+def preflight(prepared: Prepared, force: bool = False) -> dict:
+    """Estimate peak memory; refuse (before anything is written) a job that will not fit."""
+    from .memory import estimate, memory_available, suggestions
+
+    job = prepared.job
+    config = json.loads((prepared.folder / "config.json").read_text())
+    longest = int((prepared.train_set.offsets[1:] - prepared.train_set.offsets[:-1]).max())
+    est = estimate(job, config, seq_len=min(longest, job.data.max_length), device=prepared.device)
+    if prepared.device == "cuda":
+        import torch
+
+        available, what = torch.cuda.mem_get_info()[0], "free GPU memory"
+    else:
+        available, what = memory_available(), "available memory"
+    if job.limits.memory_gb and job.limits.memory_gb * 2**30 < available:
+        available, what = int(job.limits.memory_gb * 2**30), "[limits] memory_gb"
+    summary = {"total_bytes": est.total_bytes, "largest": est.largest, "items": est.items,
+               "available_bytes": available, "device": prepared.device, "forced": False}
+    if est.total_bytes > available:
+        if not force:
+            gib = 2**30
+            fixes = "\n".join(f"  - {fix}" for fix in suggestions(est, job, available))
+            raise PreflightError(
+                f"this job needs an estimated {est.total_bytes / gib:.2f} GiB at its peak, more than the "
+                f"{available / gib:.2f} GiB of {what}; the largest item is {est.largest} "
+                f"({est.items[est.largest] / gib:.2f} GiB). What would make it fit:\n{fixes}\n"
+                "(`lodger estimate JOB` shows the breakdown; `--force` runs it anyway and records that)")
+        summary["forced"] = True
+    return summary
+
+
 def create_run(job_path: Path, threads: int | None = None, *, name: str | None = None,
-               reproduces: str | None = None, managed: bool = False) -> tuple[str, Prepared]:
+               reproduces: str | None = None, managed: bool = False, force: bool = False) -> tuple[str, Prepared]:
     """Validate a job file and create its run (folder and ledger row) atomically."""
     job = load_job(job_path)
     if threads is not None:
@@ -125,6 +156,7 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     if job.training.threads is None:
         job.training.threads = len(os.sched_getaffinity(0))
     prepared = prepare(job)
+    memory = preflight(prepared, force)
     name = name or job.name or Path(job_path).stem
     run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     tmp = runs_dir() / f".tmp-{run_id}"
@@ -136,7 +168,8 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     with Ledger() as ledger:
         ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
                           job_hash=_job_hash(job), job_toml=to_toml(job.resolved_dict()),
-                          total_steps=prepared.total_steps, pid=None, reproduces=reproduces, managed=managed)
+                          total_steps=prepared.total_steps, pid=None, reproduces=reproduces, managed=managed,
+                          estimate=memory)
     return run_id, prepared
 
 

@@ -481,7 +481,10 @@ def test_after_sigkill_of_agent_and_run_a_new_agent_resumes_the_run_and_starts_t
 def test_a_memory_ceiling_below_the_runs_needs_ends_in_a_checkpoint_and_exit_code_3(tiny_model_dir, e2e_data,
                                                                                     env, tmp_path):
     job = long_job(tmp_path / "job.toml", tiny_model_dir, e2e_data, limits={"memory_gb": 0.05})
-    result = run_lodger(["run", job, "--quiet"], env)
+    refused = run_lodger(["run", job, "--quiet"], env)  # the pre-flight estimate already says no
+    assert refused.returncode == 2 and "memory_gb" in refused.stderr, describe(refused)
+    assert not list((Path(env["LODGER_HOME"]) / "runs").glob("*")), "a refused job left a run folder"
+    result = run_lodger(["run", job, "--quiet", "--force"], env)  # forced: the ceiling is enforced while running
     assert result.returncode == 3, describe(result)  # not -9: lodger stopped itself, the kernel did not
     run_id = result.stdout.split()[1]
     assert "memory ceiling 0.05 GiB reached" in result.stderr, result.stderr

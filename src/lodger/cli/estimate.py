@@ -17,6 +17,7 @@ _NOTES = {
     "optimizer": "AdamW: two fp32 moments per trainable parameter",
     "activations": "{checkpointing}batch {batch} x {seq} tokens",
     "logits_and_loss": "logits, shifted copy and log-softmax over {vocab} tokens",
+    "checkpoint": "a checkpoint's files in memory while it is built (5 x trainable)",
     "buffers": "tokenizer, attention mask, kernels' scratch",
     "allocator": "memory the allocator keeps after freeing it",
     "autocast_copies": "{precision} copy of every linear weight",
@@ -43,7 +44,8 @@ def _longest_example(train_set) -> int:
 @click.command()
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--measure", is_flag=True,
-              help="Also run 3 real training steps at the job's shape in a separate process and compare.")
+              help="Also run 3 real training steps at the job's shape in a fresh process and compare "
+                   "(minutes for a real model).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def estimate(job: Path, measure: bool, as_json: bool) -> None:
     """Will JOB fit in memory, and how long will it take?
@@ -111,10 +113,10 @@ def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fi
         table.add_row(name, f"{size / GiB:.2f}", _NOTES.get(name, "").format(**values), style=style)
     if est.overlap_bytes:
         table.add_row("(not at once)", f"-{est.overlap_bytes / GiB:.2f}",
-                      "gradients fill while activations are freed")
+                      "items never resident at the same moment")
     table.add_row("total (peak)", f"{est.total_bytes / GiB:.2f}", f"largest: {est.largest}", style="bold")
     console.print(table)
-    limit_text = f"; [limits] memory_gb {limit / GiB:.2f} GiB" if limit else ""
+    limit_text = f"; \\[limits] memory_gb {limit / GiB:.2f} GiB" if limit else ""  # rich would read [limits] as a style
     verdict = "[green]fits[/green]" if fits else "[red]does not fit[/red]"
     console.print(f"available: {available / GiB:.2f} GiB (MemAvailable){limit_text} -> {verdict}")
     if est.step_seconds is not None:

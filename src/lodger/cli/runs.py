@@ -99,9 +99,17 @@ def show(run_id: str, as_json: bool) -> None:
                    f"{' (dirty)' if code.get('dirty') else ''}")
         click.echo(f"            model sha256 {p['model']['sha256'][:16]}  train sha256 "
                    f"{p['data']['train']['sha256'][:16]}")
+    created = next((e["data"] for e in events if e["kind"] == "created"), {})
+    estimate = created.get("memory_estimate")
+    peak = max((e["data"].get("compute", {}).get("peak_rss_bytes") or 0 for e in events if "compute" in e["data"]),
+               default=0)
+    if estimate:
+        measured = f", measured peak {peak / 2**30:.2f} GiB (ratio {peak / estimate['total_bytes']:.2f})" if peak else ""
+        click.echo(f"memory    estimated {estimate['total_bytes'] / 2**30:.2f} GiB on {estimate['device']} "
+                   f"(largest: {estimate['largest']}){measured}{' [forced past pre-flight]' if estimate['forced'] else ''}")
     click.echo("events:")
     for e in events:
-        data = ", ".join(f"{k}={v}" for k, v in e["data"].items() if k != "compute")
+        data = ", ".join(f"{k}={v}" for k, v in e["data"].items() if k not in ("compute", "memory_estimate", "measured"))
         click.echo(f"  {_when(e['time'])}  {e['kind']:<18} {data}")
 
 

@@ -44,7 +44,8 @@ def init(file: Path, force: bool) -> None:
 @click.option("--threads", type=click.IntRange(1, 1024), help="Override [training] threads.")
 @click.option("--quiet", is_flag=True, help="Only errors on the terminal (log.txt still gets everything).")
 @click.option("--detach", is_flag=True, help="Train in the background (survives the terminal); print the run id.")
-def run(job: Path, threads: int | None, quiet: bool, detach: bool) -> None:
+@click.option("--force", is_flag=True, help="Run even if the memory estimate says it will not fit (recorded).")
+def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) -> None:
     """Train the job in JOB (a TOML file), in this terminal or in the background (--detach).
 
     Everything is validated before anything is written. Ctrl-C or SIGTERM commits a checkpoint
@@ -54,7 +55,7 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool) -> None:
     """
     from ..session import create_run, execute
 
-    run_id, prepared = create_run(job, threads, managed=detach)
+    run_id, prepared = create_run(job, threads, managed=detach, force=force)
     click.echo(f"run {run_id}")
     if detach:
         _detach(run_id, fresh=True)

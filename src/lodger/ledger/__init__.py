@@ -138,7 +138,7 @@ class Ledger:
     # -- runs --------------------------------------------------------------------------------
     def create_run(self, run_id: str, *, name: str | None, model: str, method: str, job_hash: str,
                    job_toml: str, total_steps: int, pid: int | None, reproduces: str | None = None,
-                   managed: bool = False) -> None:
+                   managed: bool = False, estimate: dict | None = None) -> None:
         now = time.time()
         with self.transaction():
             self.db.execute(
@@ -148,6 +148,8 @@ class Ledger:
             data = {"job_hash": job_hash, "model": model, "method": method, "total_steps": total_steps}
             if reproduces:
                 data["reproduces"] = reproduces
+            if estimate:
+                data["memory_estimate"] = estimate
             self._append_event(run_id, "created", data)
 
     def update_run(self, run_id: str, **fields: Any) -> None:
