@@ -70,7 +70,7 @@ def train_data() -> Path:
 
     path = bench_home() / "bench-train.jsonl"
     if not path.is_file():
-        write_chat_jsonl(path, 480)
+        write_chat_jsonl(path, 480, SEED)
     return path
 
 
@@ -135,6 +135,7 @@ class ChildResult:
     returncode: int
     wall: float
     peak_rss: int          # bytes (ru_maxrss of this child alone, via wait4)
+    cpu: float             # user + system seconds of this child alone
     stdout: str
     stderr: str
     extra: dict = field(default_factory=dict)
@@ -156,7 +157,7 @@ def run_child(argv: list[str], env: dict[str, str] | None = None, cwd: Path = RO
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - started
         proc.returncode = os.waitstatus_to_exitcode(status)
-    result = ChildResult(argv, proc.returncode, wall, usage.ru_maxrss * 1024,
+    result = ChildResult(argv, proc.returncode, wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime,
                          out_path.read_text(), err_path.read_text())
     out_path.unlink(missing_ok=True)
     err_path.unlink(missing_ok=True)

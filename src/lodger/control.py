@@ -26,6 +26,7 @@ from typing import Callable
 from . import durable
 
 REQUESTERS = ("user", "agent", "serve", "limit")
+LAPSING = ("agent", "serve")  # their requests lapse when the process that made them is gone (a crash)
 STRENGTH = {"run": 0, "hold": 1, "release": 2}
 HOLD_POLL_SECONDS = 0.25  # while held: a few wake-ups a second, far below 1% of a core
 
@@ -41,6 +42,8 @@ def write_request(run_folder: Path, requester: str, state: str, reason: str, **m
     folder = control_dir(run_folder)
     folder.mkdir(exist_ok=True)
     body = {"state": state, "by": requester, "reason": reason, "time": time.time(), **measured}
+    if requester in LAPSING:
+        body["pid"] = os.getpid()
     durable.atomic_write(folder / f"{requester}.json", json.dumps(body).encode())
 
 
@@ -52,10 +55,25 @@ def read_requests(run_folder: Path) -> dict[str, dict]:
     found = {}
     for requester in REQUESTERS:
         try:
-            found[requester] = json.loads((control_dir(run_folder) / f"{requester}.json").read_text())
+            request = json.loads((control_dir(run_folder) / f"{requester}.json").read_text())
         except (OSError, ValueError):
             continue
+        if requester in LAPSING and not _alive(request.get("pid")):
+            continue  # a dead server or agent cannot let go of its hold: it lapses instead
+        found[requester] = request
     return found
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def effective(requests: dict[str, dict]) -> dict:
@@ -127,9 +145,11 @@ class Control:
         started = time.monotonic()
         self.announce("held", request)
         self.on_hold(request)
+        looks = 0
         while not self.stop:
             time.sleep(HOLD_POLL_SECONDS)  # a signal (SIGUSR1, SIGTERM) marks us dirty; we look then
-            if self._dirty:
+            looks += 1
+            if self._dirty or looks % 20 == 0:  # and every few seconds, in case the holder died
                 self._dirty = False
                 current = effective(read_requests(self.folder))
                 if current["state"] == "release":

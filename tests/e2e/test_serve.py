@@ -3,6 +3,8 @@
 - The official `openai` client talks to the server (models, chat and text completions, streaming).
 - Hot reload: while a run commits checkpoints, every response comes wholly from one adapter
   version, versions only move forward, and a new checkpoint is answered from within a bounded poll.
+  Two in-process tests make the reload race (a checkpoint pruned while the engine waits for its
+  lock) happen on purpose, which end to end shows only by chance.
 - The inference lease: a request makes a training run hold (ledger + control/state.json), the run
   continues after its grace period, and its final adapter is bitwise the uninterrupted run's.
 - Bad requests get OpenAI-shaped 4xx errors and the server keeps serving; --max-queue, --token and
@@ -218,9 +220,6 @@ def test_max_tokens_limits_the_answer_and_seeded_sampling_repeats(served):
     assert a.choices[0].message.content == b.choices[0].message.content, "same seed, same sample"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: max_completion_tokens (the OpenAI chat parameter that replaces the "
-                   "deprecated max_tokens) is silently ignored: ChatRequest has extra='ignore' and no such field, so "
-                   "the answer runs to the default 256 tokens")
 def test_max_completion_tokens_is_honoured(served):
     server, run_id, _ = served
     stream = server.client().chat.completions.create(model=run_id, messages=QUESTION, max_completion_tokens=5,
@@ -230,9 +229,6 @@ def test_max_completion_tokens_is_honoured(served):
     assert len(pieces) <= 5, pieces
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a stop string that spans two generated tokens leaks its first part: "
-                   "Engine.generate yields text_so_far[sent:cut] where cut < sent once the start of the stop string "
-                   "has already been sent")
 def test_stop_string_spanning_two_tokens_is_not_returned(served):
     server, run_id, _ = served
     client = server.client()
@@ -284,8 +280,6 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert server.client().chat.completions.create(model=run_id, messages=QUESTION, max_tokens=2).choices
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the context-length error of /v1/completions names param `messages`; "
-                   "app.budget() hard-codes param='messages' for both endpoints (should be `prompt` there)")
 def test_context_length_error_of_a_text_completion_names_the_prompt(served):
     server, run_id, _ = served
     response = server.post("/v1/completions", {"model": run_id, "prompt": "word " * 600})
@@ -461,18 +455,94 @@ class TestHotReload:
         assert len(set(steps["main"])) >= 3, f"expected several checkpoints to be served: {steps['main']}"
         assert steps["background"], "the second client got no answer"
 
-    @pytest.mark.xfail(strict=True, reason="BUG: hot reload starves under back-to-back requests: Engine.refresh "
-                       "verifies the newest checkpoint, then waits for the engine lock for the rest of the current "
-                       "request; by then training has pruned that folder, _load_adapter raises ValueError, refresh "
-                       "gives up until the next poll, and the next poll lands inside the next request again")
-    def test_hot_reload_keeps_up_with_back_to_back_requests(self, reloading):
-        run_id, folder = reloading.run_id, reloading.folder
-        client = reloading.server.client()
-        target, asked = newest_checkpoint(folder), time.monotonic()
-        while (step := ask_version(client, run_id, max_tokens=100)) < target:  # each answer outlives a checkpoint
-            assert time.monotonic() - asked < 15, \
-                f"step {target} was committed {time.monotonic() - asked:.1f} s ago; still served {step}"
-        assert is_locked(folder), "the run stopped training during the test"
+
+# -- the engine in-process: a reload that must wait for a request ---------------------------------------
+# The race behind a slow or failed reload (training prunes the checkpoint the server verified while the
+# server waits for a request to finish) shows only by chance end to end; here it is made to happen.
+
+class SpyLock:
+    """The engine's lock, telling the test when someone other than the test starts waiting for it."""
+
+    def __init__(self, inner):
+        self.inner, self.waiting = inner, threading.Event()
+
+    def acquire(self, *args, **kwargs):
+        self.waiting.set()
+        return self.inner.acquire(*args, **kwargs)
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc) -> bool:
+        self.release()
+        return False
+
+
+@pytest.fixture
+def engine_on_baseline(baseline, lodger_home, tiny_model_dir):
+    """(engine, run id, checkpoint store, files of the newest checkpoint) on a copy of the baseline run."""
+    from lodger.checkpoint import CheckpointStore
+    from lodger.model import model_folder, resolve_source
+    from lodger.serve.engine import Engine
+
+    shutil.copytree(baseline.home, lodger_home, dirs_exist_ok=True)
+    store = CheckpointStore(lodger_home / "runs" / baseline.run_id / "checkpoints", keep_last=2)
+    files = store.load(store.committed()[0][1]).files
+    return Engine(model_folder(resolve_source(str(tiny_model_dir)))), baseline.run_id, store, files
+
+
+def while_a_request_holds_the_lock(engine, work, prune) -> dict:
+    """Run ``work()`` in a thread while the test holds the engine lock (a request in flight); once the
+    thread waits for the lock, call ``prune()`` (training commits and prunes), then let go."""
+    spy = SpyLock(engine.lock)
+    spy.inner.acquire()
+    engine.lock = spy
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except Exception as exc:  # noqa: BLE001 (reported by the test)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        assert spy.waiting.wait(60), "the engine never asked for its lock"
+        prune()
+    finally:
+        spy.inner.release()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    return outcome
+
+
+def test_a_reload_that_waits_for_a_request_still_switches_to_the_new_checkpoint(engine_on_baseline):
+    engine, run_id, store, files = engine_on_baseline
+    last = STANDARD_JOB["steps"]
+    slot = engine.add_run(run_id, "lora")
+    assert slot.step == last
+    store.save(last + 1, files)  # committed before the reload starts
+    outcome = while_a_request_holds_the_lock(engine, lambda: engine.refresh(slot),
+                                             lambda: [store.save(last + n, files) for n in (2, 3)])
+    assert "error" not in outcome, outcome
+    assert slot.step is not None and slot.step >= last + 1, \
+        f"step {last + 1} was committed before the reload began; still serving step {slot.step}"
+    pieces = list(engine.generate(run_id, engine.encode_chat(QUESTION), max_tokens=2, temperature=0, top_p=1.0,
+                                  seed=None, stop=[]))
+    assert {version for _, _, version in pieces} == {slot.version}
+
+
+def test_serving_a_run_whose_checkpoint_is_pruned_during_the_first_load_still_starts(engine_on_baseline):
+    engine, run_id, store, files = engine_on_baseline
+    last = STANDARD_JOB["steps"]
+    outcome = while_a_request_holds_the_lock(engine, lambda: engine.add_run(run_id, "lora"),
+                                             lambda: [store.save(last + n, files) for n in (1, 2)])
+    assert "error" not in outcome, f"serving failed although checkpoints are committed: {outcome['error']}"
+    assert outcome["value"].step >= last
 
 
 # -- the inference lease: training holds while requests are served -------------------------------------
@@ -490,8 +560,12 @@ def hold_with_a_request(server: Server, folder: Path) -> tuple[dict, threading.T
 
     request = threading.Thread(target=ask, daemon=True)
     request.start()
-    held = wait_until(lambda: (s := run_state(folder)).get("state") == "held" and s, 60,
-                      what="control/state.json to say held")
+    def held_now() -> dict | None:
+        state = run_state(folder)
+        assert state.get("state") in ("running", "held"), f"the run is {state} before holding; {answer}"
+        return state if state.get("state") == "held" else None
+
+    held = wait_until(held_now, 60, what="control/state.json to say held")
     assert held["by"] == "serve", held
     assert read_requests(folder)["serve"]["state"] == "hold"
     return held, request, answer
@@ -501,7 +575,7 @@ def test_a_request_makes_training_hold_and_the_result_is_unchanged(guarded, tiny
     server, home = guarded, guarded.home
     env, grace = lodger_env(home), 1.0
     job = write_job(tmp_path / "lease.toml", model=tiny_model_dir, train=e2e_data["train"], eval=e2e_data["eval"],
-                    **{**STANDARD_JOB, "steps": 48, "eval_every": 16},
+                    **{**STANDARD_JOB, "steps": 64, "eval_every": 16},
                     extra={"policy": {"inference_grace_seconds": grace}})
     # The uninterrupted run of the same job, in its own home (the lease holds every live run of a home).
     reference_home = tmp_path / "reference_home"
@@ -510,9 +584,10 @@ def test_a_request_makes_training_hold_and_the_result_is_unchanged(guarded, tiny
     run_id = detach.run_id()
     folder = home / "runs" / run_id
     try:
-        assert detach.wait(timeout=300) == 0, describe(detach)
+        # Not waiting for the detaching command to exit first: that alone can take seconds under load.
         wait_for_step(folder, 2, timeout=120)
         held, request, answer = hold_with_a_request(server, folder)
+        assert detach.wait(timeout=300) == 0, describe(detach)
         request.join(timeout=120)
         assert "error" not in answer and answer["reply"].choices[0].message.content is not None, answer
         wait_until(lambda: run_state(folder).get("state") in ("running", "finished"), 60,
@@ -540,9 +615,6 @@ def test_a_request_makes_training_hold_and_the_result_is_unchanged(guarded, tiny
         "holding for inference changed the trained adapter"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a server that dies while it holds a run leaves control/serve.json "
-                   "behind; nothing ever withdraws it (it names no pid to check, `lodger resume` clears only "
-                   "user/agent, a new training process clears user/agent/limit), so the run stays held for good")
 def test_a_server_that_dies_while_holding_does_not_hold_training_forever(guarded, tiny_model_dir, e2e_data,
                                                                          tmp_path):
     """Runs last in this module: it SIGKILLs the module's `guarded` server."""
@@ -553,9 +625,9 @@ def test_a_server_that_dies_while_holding_does_not_hold_training_forever(guarded
     detach = start_lodger(["run", job, "--detach"], env, tmp_path)
     folder = home / "runs" / detach.run_id()
     try:
-        assert detach.wait(timeout=300) == 0, describe(detach)
         wait_for_step(folder, 2, timeout=120)
         hold_with_a_request(server, folder)
+        assert detach.wait(timeout=300) == 0, describe(detach)
         server.proc.kill(signal.SIGKILL)  # a crash, an OOM kill: no lifespan shutdown, no release
         server.proc.wait(timeout=60)
         result = run_lodger(["resume", detach.run_id()], env)

@@ -91,6 +91,23 @@ def test_lora_needs_far_less_optimizer_state_than_full_fine_tuning() -> None:
     assert full.items["gradients"] == 4 * full.total_params
 
 
+def test_a_full_fine_tuning_checkpoint_holds_five_copies_of_the_weights_in_memory() -> None:
+    full, lora = smol(make_job(kind="full")), smol(make_job(kind="lora"))
+    assert full.items["checkpoint"] == 5 * 4 * full.trainable_params
+    assert lora.items["checkpoint"] == 5 * 4 * lora.trainable_params < full.items["checkpoint"] / 100
+
+
+def test_with_the_allocator_pinned_only_what_is_alive_together_counts() -> None:
+    for kind in ("lora", "full"):
+        default = smol(make_job(kind=kind, seq=256))
+        pinned = smol(make_job(kind=kind, seq=256), pinned_allocator=True)
+        assert pinned.items["allocator"] == 0 and pinned.total_bytes < default.total_bytes
+        assert pinned.total_bytes == sum(pinned.items.values()) - pinned.overlap_bytes
+    full = smol(make_job(kind="full", seq=256), pinned_allocator=True)
+    static = sum(full.items[k] for k in ("runtime", "weights", "optimizer", "buffers"))
+    assert full.total_bytes == static + full.items["checkpoint"]  # the checkpoint is full fine-tuning's peak
+
+
 def test_bf16_halves_most_activations_but_keeps_a_copy_of_the_weights() -> None:
     fp32, bf16 = smol(make_job(kind="full", seq=256)), smol(make_job(kind="full", seq=256, precision="bf16"))
     assert bf16.items["activations"] < 0.75 * fp32.items["activations"]

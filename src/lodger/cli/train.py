@@ -87,7 +87,7 @@ def resume(run_id: str, threads: int | None, quiet: bool, detach: bool) -> None:
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
-    from ..control import clear_request, notify, read_requests
+    from ..control import clear_request, notify, read_requests, run_state
     from ..home import run_dir
     from ..ledger import Ledger
     from ..runlock import is_locked, lock_pid
@@ -99,7 +99,8 @@ def resume(run_id: str, threads: int | None, quiet: bool, detach: bool) -> None:
             raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger run`")
         if is_locked(folder):
             requests = read_requests(folder)
-            if not any(r.get("state") != "run" for r in requests.values()):
+            held = run_state(folder).get("state") == "held"  # e.g. by a server that died: its hold lapsed
+            if not held and not any(r.get("state") != "run" for r in requests.values()):
                 raise RunStateError(f"run {run['id']} is training now; nothing to resume")
             for requester in ("user", "agent"):
                 clear_request(folder, requester)

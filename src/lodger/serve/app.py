@@ -121,8 +121,11 @@ def create_app(engine: Engine, *, token: str | None = None, max_queue: int = 8, 
 
     def budget(body: _Sampling, prompt_ids: list[int], param: str) -> int:
         room = engine.context_length - len(prompt_ids)
+        if room <= 0:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context length is "
+                           f"{engine.context_length}: shorten the prompt", param=param, code="context_length_exceeded")
         wanted = body.max_completion_tokens or body.max_tokens or min(256, room)
-        if room <= 0 or wanted > room:
+        if wanted > room:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {wanted}; the model's "
                            f"context length is {engine.context_length}: shorten the prompt or lower max_tokens",
                            param=param, code="context_length_exceeded")

@@ -7,6 +7,7 @@ version between requests.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -87,18 +88,20 @@ class Engine:
             if slot.step is not None and step <= slot.step:
                 return False
             try:
-                store.load(path)  # verify sizes and hashes before trusting the files
-            except LodgerError:
-                continue
+                checkpoint = store.load(path)  # verify sizes and hashes before trusting the files
+            except (LodgerError, OSError):
+                continue  # damaged, or pruned under our feet: try the next newest
             version = f"{slot.run_id}@{path.name}"
-            try:
+            # Load from the verified bytes, copied aside before waiting for the lock: training may
+            # prune the checkpoint folder while a long request holds the engine.
+            with tempfile.TemporaryDirectory(prefix="lodger-adapter-") as tmp:
+                for name in ("adapter_config.json", "adapter_model.safetensors"):
+                    (Path(tmp) / name).write_bytes(checkpoint.files[name])
                 with self.lock:
-                    self._load_adapter(path, version)
+                    self._load_adapter(Path(tmp), version)
                     old, slot.version, slot.step = slot.version, version, step
                     if old and old != version:
                         self.model.delete_adapter(old)
-            except (OSError, ValueError, KeyError):
-                continue  # pruned under our feet; the next look finds the newer one
             return True
         return False
 
@@ -128,7 +131,11 @@ class Engine:
                 context = _nullcontext()
                 if model is not self.base:
                     model.set_adapter(version)
-            generator = torch.Generator().manual_seed(seed if seed is not None else 0)
+            generator = torch.Generator()
+            if seed is not None:
+                generator.manual_seed(seed)
+            else:
+                generator.seed()  # unseeded requests get fresh randomness
             input_ids = torch.tensor([ids])
             cache, produced, text_so_far, sent = None, [], "", 0
             eos = self.tokenizer.eos_token_id
