@@ -63,13 +63,17 @@ BUFFERS_FIXED = 8 * 2**20           # model-independent scratch: autograd engine
 # memory, freed at every zero_grad, absorbs it. With the threshold pinned (pin_allocator) the
 # measured peak is the live set.
 ALLOCATOR_RETAINED = 0.5
-RUNS_PIN_ALLOCATOR = False          # True once `lodger run` calls pin_allocator() at start-up
+# Whether `lodger run` pins the threshold (pin_allocator) at start-up. It does not: pinned, SmolLM2
+# LoRA seq 128 peaked at 1.30 GiB instead of 1.49 but its steps took 1.53 s instead of 1.0 (idle
+# machine), every large tensor becoming a fresh mapping whose pages are faulted in again.
+RUNS_PIN_ALLOCATOR = False
 GPU_CONTEXT_BYTES = 600 * 2**20     # CUDA context + cuBLAS workspace (uncalibrated: no GPU here)
 GPU_ALLOCATOR_FRACTION = 0.10       # caching-allocator fragmentation on GPU (uncalibrated)
-# A training step reached 0.1-0.4 (median 0.2) of the matmul benchmark's rate on SmolLM2 here
-# (2 threads, fp32, on a loaded machine): elementwise ops, attention and the allocator's page
-# faults do not run at matmul speed. Time estimates are good to about a factor of two.
-MATMUL_EFFICIENCY = 0.2
+# Share of the matmul benchmark's rate a training step reaches: 0.65-0.7 on SmolLM2 (fp32, LoRA
+# and full, seq 128, 2 threads) on an idle machine, where a step took 1.0-1.6 s. Under other load
+# the 0.2 s benchmark and a sustained step get different shares of the cores (0.1-0.8 measured),
+# so a time estimate is only as steady as the machine's load.
+MATMUL_EFFICIENCY = 0.6
 CHECKPOINT_COPIES = 5               # a checkpoint's bytes in memory: 5 x the trainable weights (measured)
 
 # Linear layers of a Llama-style decoder layer: name -> (in, out) as functions of the shape.
@@ -430,8 +434,9 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 def pin_allocator(threshold: int = 64 * 1024) -> bool:
     """Fix glibc's mmap threshold, so every block of ``threshold`` bytes or more is its own mapping,
     returned to the system the moment it is freed: the resident set then follows the live tensors
-    instead of keeping what earlier steps freed. Call it once, as early as possible. Returns False
-    where the C library is not glibc (nothing changes)."""
+    instead of keeping what earlier steps freed (SmolLM2: 10-18 % less peak), at the price of
+    page faults on every new tensor (steps up to 50 % slower when they take about a second).
+    Call it once, as early as possible. Returns False where the C library is not glibc."""
     import ctypes
     import ctypes.util
 

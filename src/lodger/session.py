@@ -118,12 +118,14 @@ def _job_hash(job: JobConfig) -> str:
 
 def preflight(prepared: Prepared, force: bool = False) -> dict:
     """Estimate peak memory; refuse (before anything is written) a job that will not fit."""
-    from .memory import estimate, memory_available, suggestions
+    from .memory import estimate, memory_available, runtime_bytes, suggestions
 
     job = prepared.job
     config = json.loads((prepared.folder / "config.json").read_text())
     longest = int((prepared.train_set.offsets[1:] - prepared.train_set.offsets[:-1]).max())
-    est = estimate(job, config, seq_len=min(longest, job.data.max_length), device=prepared.device)
+    runtime = None if prepared.device == "cuda" else runtime_bytes(threads=job.training.threads, use_current=False)
+    est = estimate(job, config, seq_len=min(longest, job.data.max_length), device=prepared.device,
+                   runtime_bytes=runtime)
     if prepared.device == "cuda":
         import torch
 
