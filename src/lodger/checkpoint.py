@@ -190,8 +190,4 @@ def hash_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-
-
-__all__ = ["Checkpoint", "CheckpointStore", "FAULT_POINTS", "MANIFEST", "hash_file", "dir_size"]
+__all__ = ["Checkpoint", "CheckpointStore", "FAULT_POINTS", "MANIFEST", "hash_file"]
