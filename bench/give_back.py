@@ -221,13 +221,18 @@ def measure_hold(run_id: str) -> dict:
     return {"from_request": max(0.0, quiet - asked), "from_command": max(0.0, quiet - started)}
 
 
-def background_foreign_cpu(samples: int = 4, window: float = 0.5) -> float:
+def background_foreign_cpu(run_id: str | None = None, samples: int = 4, window: float = 0.5) -> float:
+    """Other processes' CPU share now; the benchmark's own run (if it is training) is not foreign."""
     from lodger.agent import Sampler
+    from lodger.home import run_dir
+    from lodger.runlock import lock_pid
 
+    ours = {lock_pid(run_dir(run_id))} - {None} if run_id else set()
     sampler, found = Sampler(), []
+    sampler.measure(ours)  # first look: every pid is seen once before windows are measured
     for _ in range(samples):
         time.sleep(window)  # a measurement window
-        found.append(sampler.measure(set())["foreign_cpu"])
+        found.append(sampler.measure(ours)["foreign_cpu"])
     return max(found)
 
 
@@ -304,7 +309,7 @@ def main() -> None:
                                 f"{hold * 1000:.0f} ms vs {micro * 1000:.0f} ms; with the command's start-up "
                                 f"{statistics.median(h['from_command'] for h in holds):.2f} s", "< 1"), flush=True)
 
-        now = background_foreign_cpu()
+        now = background_foreign_cpu(run_id)
         if now >= limit - 0.1:
             print(f"{label} agent: skipped (other processes use {now:.0%} of the CPUs, the run's limit is "
                   f"{limit:.0%}: a foreign load cannot be told apart from them now)")
