@@ -211,3 +211,12 @@ def gib(n: float) -> str:
 
 def ratio_line(label: str, what: str, ratio: float, detail: str, goal: str | None = None) -> str:
     return f"{label}: {what} {ratio:.2f} ({detail}{'; goal ' + goal if goal else ''})"
+
+
+def run_script_child(script: str, flag: str, steps: int) -> ChildResult:
+    """Run ``script flag --steps N --out FILE`` as a child; its JSON report becomes ``result.extra``."""
+    out = bench_home() / f".{flag.strip('-')}-{os.getpid()}.json"
+    result = run_child([sys.executable, script, flag, "--steps", str(steps), "--out", str(out)]).check()
+    result.extra = json.loads(out.read_text())
+    out.unlink()
+    return result

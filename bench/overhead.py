@@ -77,15 +77,6 @@ def plain_child(steps: int, out: Path) -> None:
     out.write_text(json.dumps({"losses": losses, "ends": ends, "seconds": seconds}))
 
 
-def run_plain(steps: int) -> common.ChildResult:
-    out = common.bench_home() / f".plain-{os.getpid()}.json"
-    result = common.run_child([sys.executable, __file__, "--child-plain", "--steps", str(steps),
-                               "--out", str(out)]).check()
-    result.extra = json.loads(out.read_text())
-    out.unlink()
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
@@ -112,7 +103,7 @@ def main() -> None:
     runs: dict[str, list[common.ChildResult]] = {"lodger": [], "plain": []}
     for rep in range(args.repeats):
         for side in (("plain", "lodger") if rep % 2 == 0 else ("lodger", "plain")):
-            result = common.run_lodger(job) if side == "lodger" else run_plain(args.steps)
+            result = common.run_lodger(job) if side == "lodger" else common.run_script_child(__file__, "--child-plain", args.steps)
             runs[side].append(result)
             print(f"# {side}: wall {result.wall:.1f} s, cpu {result.cpu:.1f} s, loop "
                   f"{common.loop_span(result.extra['ends'], result.extra['seconds']):.1f} s, "

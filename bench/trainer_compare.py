@@ -87,15 +87,6 @@ def trainer_child(steps: int, out: Path) -> None:
                                "train_runtime": result.metrics.get("train_runtime")}))
 
 
-def run_trainer(steps: int) -> common.ChildResult:
-    out = common.bench_home() / f".trainer-{os.getpid()}.json"
-    result = common.run_child([sys.executable, __file__, "--child-trainer", "--steps", str(steps),
-                               "--out", str(out)]).check()
-    result.extra = json.loads(out.read_text())
-    out.unlink()
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100)
@@ -122,7 +113,7 @@ def main() -> None:
     runs: dict[str, list[common.ChildResult]] = {"lodger": [], "trainer": []}
     for rep in range(args.repeats):
         for side in (("trainer", "lodger") if rep % 2 == 0 else ("lodger", "trainer")):
-            result = common.run_lodger(job) if side == "lodger" else run_trainer(args.steps)
+            result = common.run_lodger(job) if side == "lodger" else common.run_script_child(__file__, "--child-trainer", args.steps)
             result.extra["sps"] = common.steady_steps_per_s(result.extra["ends"])
             runs[side].append(result)
             print(f"# {side}: {result.extra['sps']:.3f} steps/s, wall {result.wall:.1f} s, cpu {result.cpu:.1f} s, "

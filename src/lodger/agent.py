@@ -11,6 +11,7 @@ with its reason and the measured values. The agent never imports torch.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import subprocess
@@ -202,9 +203,7 @@ class Agent:
         self.queue_children: dict[int, subprocess.Popen] = {}  # queued jobs being started
 
     def _policy(self, run: dict):
-        from .config import JobConfig
-
-        return JobConfig.model_validate(tomllib.loads(run["job_toml"])).policy
+        return _policy_of(run["job_toml"])
 
     def _threads(self, run_or_toml: str) -> int:
         return int(tomllib.loads(run_or_toml).get("training", {}).get("threads") or os.cpu_count())
@@ -296,6 +295,14 @@ class Agent:
         while stop_after is None or time.monotonic() - started < stop_after:
             self.tick()
             time.sleep(self.interval)
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_of(job_toml: str):
+    """A run's policy, parsed once per recorded job rather than several times every tick."""
+    from .config import JobConfig
+
+    return JobConfig.model_validate(tomllib.loads(job_toml)).policy
 
 
 class AgentLock:

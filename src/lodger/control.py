@@ -123,6 +123,10 @@ class Control:
         if self.stop is None:
             self.stop = reason
 
+    def wake(self) -> None:
+        """Look at the requests at the next micro-step (what SIGUSR1 does, from inside the run)."""
+        self._dirty = True
+
     def install_signal_handlers(self) -> "Control":
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_int)
@@ -172,7 +176,7 @@ class Control:
         os.replace(tmp, control_dir(self.folder) / "state.json")
 
     def _on_usr1(self, signum, frame) -> None:
-        self._dirty = True
+        self.wake()
 
     def _on_term(self, signum, frame) -> None:
         self.request_stop("SIGTERM")

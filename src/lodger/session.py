@@ -246,7 +246,7 @@ class Session:
     def _limit_reached(self, reason: str, **measured) -> None:
         if self.control.release is None:
             write_request(self.dir, "limit", "release", reason, **measured)
-            self.control._dirty = True
+            self.control.wake()
 
     def poison_factor(self, ids: list[int]) -> float:
         """Inf when a micro-batch holds a poisoned line (test-only fault injection), else 1."""
@@ -455,7 +455,8 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         if resuming:
             _resume_state(session, run)
         session.progress.segment = run["segment"] + 1 if resuming else 0
-        reporter.progress and reporter.progress.update(reporter.task, completed=session.progress.step)
+        if reporter.progress is not None:
+            reporter.progress.update(reporter.task, completed=session.progress.step)
         record = session.provenance()
         ledger.add_provenance(run_id, session.progress.segment, record)
         _write_provenance_json(folder, ledger.provenance(run_id))

@@ -7,6 +7,7 @@ version between requests.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import threading
 import time
@@ -128,7 +129,7 @@ class Engine:
             if slot.kind == "base" and model is not self.base:
                 context = model.disable_adapter()
             else:
-                context = _nullcontext()
+                context = contextlib.nullcontext()
                 if model is not self.base:
                     model.set_adapter(version)
             generator = torch.Generator()
@@ -176,14 +177,6 @@ def _sample(logits, temperature: float, top_p: float, generator) -> int:
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
         probs = probs / probs.sum()
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def describe(slot: Slot) -> dict:
