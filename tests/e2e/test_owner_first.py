@@ -93,12 +93,13 @@ def reaper(lodger_home: Path):
             continue
 
 
-def long_job(path: Path, tiny_model_dir: Path, e2e_data, name: str = "long", **sections) -> Path:
+def long_job(path: Path, tiny_model_dir: Path, e2e_data, name: str = "long", steps: int = LONG_JOB["steps"],
+             **sections) -> Path:
     extra = {"policy": {"enabled": False}}
     for section, values in sections.items():
         extra[section] = values
     return write_job(path, model=tiny_model_dir, train=e2e_data["train"], eval=e2e_data["eval"], name=name,
-                     extra=extra, **LONG_JOB)
+                     extra=extra, **{**LONG_JOB, "steps": steps})
 
 
 # -- helpers ----------------------------------------------------------------------------------------
@@ -510,7 +511,10 @@ def torch_imports(args: list[str], env: dict[str, str]) -> tuple[int, subprocess
 
 def test_pause_all_gives_back_every_run_and_status_lists_runs_and_queue(tiny_model_dir, e2e_data, env, reaper,
                                                                         tmp_path):
-    jobs = [long_job(tmp_path / f"{name}.toml", tiny_model_dir, e2e_data, name=name) for name in ("one", "two")]
+    # Long enough that neither run can finish while the other starts (on a fast machine the run in
+    # the terminal did all 240 steps before the detached one had loaded): both are paused anyway.
+    jobs = [long_job(tmp_path / f"{name}.toml", tiny_model_dir, e2e_data, name=name, steps=20_000)
+            for name in ("one", "two")]
     # One run in the background (--detach), one in a terminal: --all gives back both kinds.
     detached = start_lodger(["run", jobs[0], "--detach"], env, log_dir=tmp_path / "starts")
     reaper.append(detached.proc)
