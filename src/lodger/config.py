@@ -163,6 +163,22 @@ class LimitsConfig(_Section):
     """Total CPU hours (over all segments) after which the run checkpoints and stops."""
 
 
+class RemoteConfig(_Section):
+    """Explicit limits for remote compute. `lodger submit` refuses a job without them; a local run
+    ignores them. The remote job enforces them itself: it commits a checkpoint and stops at each."""
+
+    wall_hours: Float | None = Field(None, gt=0)
+    """Wall-clock hours the remote job may run (over all its segments)."""
+    gpu_hours: Float | None = Field(None, ge=0)
+    """GPU hours it may use in total (wall hours x GPUs; 0 for a CPU-only job)."""
+    cost: Float | None = Field(None, ge=0)
+    """Most it may cost, in the target's currency (GPU hours x the target's cost per GPU hour)."""
+    nodes: Int | None = Field(None, ge=1)
+    """Machines it may use at once."""
+    world_size: Int = Field(1, ge=1, le=1024)
+    """Training processes (data parallel, through torchrun); resume exactly with the same number."""
+
+
 class JobConfig(_Section):
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     """Output name: the run id starts with it. Letters, digits, `_`, `.`, `-`."""
@@ -182,6 +198,8 @@ class JobConfig(_Section):
     """When the run yields the machine to its owner (defaults: [policy] in $LODGER_HOME/config.toml)."""
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     """Resource limits, enforced and recorded (defaults: [limits] in $LODGER_HOME/config.toml)."""
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    """Limits that must be declared before the job may move to remote compute (`lodger submit`)."""
 
     def resolved_dict(self) -> dict[str, Any]:
         """The job with every default filled in, as plain TOML-ready values."""

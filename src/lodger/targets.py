@@ -1,0 +1,93 @@
+"""Named remote targets, kept in $LODGER_HOME/targets.toml: where a job may go and the owner's caps.
+
+A target is only a description; nothing here talks to it. `lodger submit` (the gate) checks a
+job against it, and `remote/` runs an approved job there. No torch, no ray.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError
+
+from .config import Float, Int, _describe, _Section, _toml_value
+from .errors import JobFileError, LodgerError
+from .home import home
+
+
+class Target(_Section):
+    """One remote target and the caps its owner set on it."""
+
+    kind: Literal["ray"] = "ray"
+    """The engine there: a Ray cluster reached through its job submission API."""
+    address: str
+    """The Ray dashboard address, e.g. http://127.0.0.1:8265."""
+    storage: str
+    """A folder both this machine and the cluster see (a shared or synced file system): the
+    remote run's checkpoints, metrics and logs live there and are read back from there."""
+    gpu_hours: Float | None = Field(None, ge=0)
+    """Cap on the GPU hours any one job may declare."""
+    wall_hours: Float | None = Field(None, gt=0)
+    """Cap on the wall-clock hours any one job may declare."""
+    cost_per_gpu_hour: Float = Field(0.0, ge=0)
+    """What one GPU hour costs there, in the owner's currency."""
+    budget: Float | None = Field(None, ge=0)
+    """Cap on what any one job may cost."""
+    nodes: Int = Field(1, ge=1)
+    """Cap on machines one job may use."""
+    gpus_per_node: Int = Field(0, ge=0)
+    """GPUs each machine has (0: CPU only)."""
+    memory_gb_per_node: Float | None = Field(None, gt=0)
+    """Memory each machine offers a job (GPU memory where it has GPUs, else RAM), for the estimate."""
+
+
+class TargetError(LodgerError):
+    """The targets file is bad, or the named target does not exist."""
+
+    exit_code = 2
+
+
+def targets_path() -> Path:
+    return home() / "targets.toml"
+
+
+def load_targets() -> dict[str, Target]:
+    """Every target in the user's file, validated; one error lists every problem."""
+    path = targets_path()
+    if not path.is_file():
+        return {}
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise TargetError(f"{path}: cannot read the targets file: {exc}") from None
+    targets, problems = {}, []
+    for name, table in raw.get("targets", {}).items():
+        try:
+            targets[name] = Target.model_validate(table)
+        except ValidationError as exc:
+            problems += [f"[targets.{name}] " + _describe(e).removeprefix("[") for e in exc.errors()]
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise TargetError(f"{path}: {len(problems)} problem(s):\n{listed}")
+    return targets
+
+
+def get_target(name: str) -> Target:
+    targets = load_targets()
+    if name not in targets:
+        known = ", ".join(sorted(targets)) or "none yet"
+        raise TargetError(f"no target named {name!r} (known: {known}); add one with `lodger target add {name} ...`")
+    return targets[name]
+
+
+def save_targets(targets: dict[str, Target]) -> None:
+    """Rewrite the targets file atomically (it is the user's settings, not run state)."""
+    from .durable import atomic_write
+
+    lines = ["# lodger's remote targets: edit with `lodger target add` (or by hand)."]
+    for name, target in sorted(targets.items()):
+        lines += ["", f"[targets.{name}]"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in target.model_dump(mode="json", exclude_none=True).items()]
+    atomic_write(targets_path(), ("\n".join(lines) + "\n").encode())
