@@ -82,6 +82,9 @@ class TrainingConfig(_Section):
     threads: Int | None = Field(None, ge=1, le=1024)
     """CPU threads for torch. Left out, lodger uses every core and records the number it chose;
     results are bitwise comparable only at the same thread count."""
+    world_size: Int = Field(1, ge=1, le=1024)
+    """Training processes, data parallel through torchrun (gloo on CPU, nccl on GPU); each takes
+    `batch_size` examples per micro-batch. Resume exactly only with the same number."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: `auto` uses the GPU when there is one."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -175,8 +178,6 @@ class RemoteConfig(_Section):
     """Most it may cost, in the target's currency (GPU hours x the target's cost per GPU hour)."""
     nodes: Int | None = Field(None, ge=1)
     """Machines it may use at once."""
-    world_size: Int = Field(1, ge=1, le=1024)
-    """Training processes (data parallel, through torchrun); resume exactly with the same number."""
 
 
 class JobConfig(_Section):

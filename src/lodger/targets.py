@@ -27,6 +27,9 @@ class Target(_Section):
     storage: str
     """A folder both this machine and the cluster see (a shared or synced file system): the
     remote run's checkpoints, metrics and logs live there and are read back from there."""
+    python: str | None = None
+    """The interpreter with lodger installed on the cluster (a Ray job runs with the head's PATH);
+    default: this machine's, right for a cluster on this machine."""
     gpu_hours: Float | None = Field(None, ge=0)
     """Cap on the GPU hours any one job may declare."""
     wall_hours: Float | None = Field(None, gt=0)
