@@ -33,6 +33,34 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     return loss, int((labels != -100).sum())
 
 
+def install_yield_points(model: torch.nn.Module, control) -> int:
+    """Let hold and release requests in at every transformer layer, forward and backward.
+
+    A forward pre-hook checks before each layer runs; a hook on the layer's output tensor checks
+    when autograd reaches that layer on the way back (on CPU autograd runs those hooks in this
+    thread, so a SIGUSR1 that arrived mid-step is seen there too). Both cost one attribute read
+    while nothing is asked. Installed once per model (a rollback re-enters the loop); returns
+    the number of layers hooked."""
+    if getattr(model, "_lodger_yield_points", None) is control:
+        return 0
+    model._lodger_yield_points = control
+    layers = [m for name, m in model.named_modules()
+              if isinstance(m, torch.nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks")]
+    hooked = 0
+    for layer_list in layers:
+        for layer in layer_list:
+            layer.register_forward_pre_hook(lambda module, args: control.yield_point())
+            layer.register_forward_hook(lambda module, args, output: _hook_backward(output, control))
+            hooked += 1
+    return hooked
+
+
+def _hook_backward(output, control) -> None:
+    tensor = output[0] if isinstance(output, (tuple, list)) else output
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        tensor.register_hook(control.yield_point)  # returns None: the gradient is left as it is
+
+
 @torch.no_grad()
 def evaluate(s: "Session") -> float | None:
     """Token-weighted mean loss on the held-out set (None when there is none)."""
@@ -57,6 +85,7 @@ def train(s: "Session") -> str:
     params = [q for q in s.model.parameters() if q.requires_grad]
     max_norm = cfg.max_grad_norm or math.inf  # 0 disables clipping; the norm is still measured
     s.model.train()
+    install_yield_points(s.model, s.control)
     if p.step == 0 and not s.has_eval_at(0):
         s.record_eval(0, evaluate(s))
     last_save = time.monotonic()
@@ -72,6 +101,7 @@ def train(s: "Session") -> str:
         loss_sum = torch.zeros((), dtype=torch.float32, device=s.device)
         rng_at_step_start = capture_rng()  # a few KB copied; lets a release drop this step exactly
         try:
+            s.control.in_step = True  # a release now drops this step; in an eval it waits for the next
             for index, batch in enumerate(batches):
                 s.check_limits()
                 s.control.checkpoint_boundary()  # microseconds; where hold and release are answered
@@ -85,10 +115,12 @@ def train(s: "Session") -> str:
         except ReleaseRequested:
             # Give the machine back now: forget this step's partial work as if it never began,
             # so the checkpoint equals the state at the step boundary and resuming stays exact.
+            s.control.in_step = False
             s.optimizer.zero_grad(set_to_none=True)
             restore_rng(*rng_at_step_start)
             s.save_checkpoint(skip_if_exists=True)
             return "paused"
+        s.control.in_step = False
         precision.unscale(s.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         loss_value, norm_value = loss_sum.item(), grad_norm.item()  # one device sync per step
