@@ -68,11 +68,18 @@ def mkdir(path: Path) -> None:
     _record("mkdir", path)
 
 
-def write_file(path: Path, data: bytes | memoryview) -> None:
-    """Write a new file and fsync it. Its name is durable only once the folder is fsynced."""
+def write_file(path: Path, data, observe=None) -> None:
+    """Write a new file and fsync it. Its name is durable only once the folder is fsynced.
+
+    ``data`` is bytes, or an iterable of buffers written in order (a file streamed from memory it
+    does not copy); ``observe(chunk)``, when given, sees each buffer just before it is written."""
+    chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
     with open(path, "wb") as fh:
         _record("create", path)
-        fh.write(data)
+        for chunk in chunks:
+            if observe is not None:
+                observe(chunk)
+            fh.write(chunk)
         fh.flush()
         os.fsync(fh.fileno())
     _record("fsync", path)

@@ -14,8 +14,9 @@ Peak resident memory (CPU) is the sum of these items (``Estimate.items``, bytes)
 * autocast_copies (bf16/fp16): autocast casts every linear weight once per step and keeps the
   copy until the backward pass, half the fp32 weights; on CPU this can outweigh what
   half-precision activations save (SmolLM2 LoRA, seq 128, measured: bf16 1.70 GiB, fp32 1.50).
-* checkpoint: a checkpoint's files as bytes in memory while it is built between steps, 5 x the
-  trainable weights (CHECKPOINT_COPIES); for full fine-tuning often the real peak.
+* checkpoint: what writing a checkpoint adds (CHECKPOINT_COPIES x the trainable weights). Files
+  are streamed from the tensors' own memory (``tensorfile.py``), so this is next to nothing; it
+  was 5 x, and the peak of full fine-tuning, while checkpoints were serialised to bytes first.
 * buffers: tokenizer, attention mask, kernels' scratch.
 * allocator: what glibc keeps resident after freeing it (see ALLOCATOR_RETAINED).
 
@@ -74,7 +75,7 @@ GPU_ALLOCATOR_FRACTION = 0.10       # caching-allocator fragmentation on GPU (un
 # the 0.2 s benchmark and a sustained step get different shares of the cores (0.1-0.8 measured),
 # so a time estimate is only as steady as the machine's load.
 MATMUL_EFFICIENCY = 0.6
-CHECKPOINT_COPIES = 5               # a checkpoint's bytes in memory: 5 x the trainable weights (measured)
+CHECKPOINT_COPIES = 0               # extra memory of writing a checkpoint, x the trainable weights (streamed)
 
 # Linear layers of a Llama-style decoder layer: name -> (in, out) as functions of the shape.
 _LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -265,8 +266,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     mask = batch * seq * seq  # the boolean causal/padding mask, built once per forward
     buffers = BUFFERS_FIXED + mask + (0 if gpu else TOKENIZER_FIXED + TOKENIZER_BYTES_PER_VOCAB * shape.vocab)
     transient = activations + loss + copies       # freed again by the end of each step
-    # A checkpoint serialises the trainable weights and both AdamW moments to bytes in memory
-    # between steps (Session.save_checkpoint): see CHECKPOINT_COPIES. On a GPU they are CPU bytes.
+    # Writing a checkpoint between steps (Session.save_checkpoint): see CHECKPOINT_COPIES.
     checkpoint = 0.0 if gpu else CHECKPOINT_COPIES * 4 * trainable
     if gpu:
         runtime = GPU_CONTEXT_BYTES if runtime_bytes is None else runtime_bytes
@@ -630,10 +630,16 @@ def _measure_child() -> None:
         step_peaks.append(_proc_status("VmHWM"))
         phases[f"step{len(step_peaks)}"] = _proc_status("VmRSS")
     phases["file"] = _proc_status("RssFile")
-    # A checkpoint as Session.save_checkpoint builds it: every file's bytes in memory at once.
-    files = {**adapter_files(model, job.method), **optimizer_files(optimizer)}
-    phases["checkpoint_bytes"] = sum(len(v) for v in files.values())
-    del files
+    # A checkpoint as Session.save_checkpoint writes it: streamed from the tensors' memory.
+    import tempfile
+
+    from .checkpoint import CheckpointStore
+
+    with tempfile.TemporaryDirectory(prefix="lodger-measure-") as scratch:
+        saved = CheckpointStore(Path(scratch) / "checkpoints", keep_last=2).save(
+            1, {**adapter_files(model, job.method), **optimizer_files(optimizer)})
+        phases["checkpoint_bytes"] = sum(f.stat().st_size for f in saved.iterdir())
+    phases["after_checkpoint"] = _proc_status("VmHWM")
     print("MEASURED " + json.dumps({"peak_bytes": _proc_status("VmHWM"), "import_bytes": import_bytes,
                                     "step_peaks": step_peaks, "step_seconds": step_seconds,
                                     "phases": phases}), flush=True)

@@ -236,17 +236,18 @@ def load_trainable_state(model, method, tensors: dict[str, Any]) -> None:
             params[name].copy_(value)
 
 
-def adapter_files(model, method) -> dict[str, bytes]:
-    """The trainable weights as files: peft's adapter layout for LoRA, model.safetensors for full."""
-    from safetensors.torch import save
+def adapter_files(model, method) -> dict:
+    """The trainable weights as files: peft's adapter layout for LoRA, model.safetensors for full.
+    Tensor files are ``TensorFile``s, streamed from the weights' memory when written."""
+    from .tensorfile import TensorFile
 
     state = trainable_state(model, method)
     if method.kind == "lora":
         config = model.peft_config["default"].to_dict()
         config = json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
-        return {"adapter_model.safetensors": save(state, metadata={"format": "pt"}),
+        return {"adapter_model.safetensors": TensorFile(state, metadata={"format": "pt"}),
                 "adapter_config.json": json.dumps(config, indent=2, sort_keys=True).encode()}
-    return {"model.safetensors": save(state, metadata={"format": "pt"})}
+    return {"model.safetensors": TensorFile(state, metadata={"format": "pt"})}
 
 
 def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 48) -> str:

@@ -374,7 +374,7 @@ class Session:
                  "state.json": json.dumps(state, sort_keys=True).encode()}
         path = self.store.save(self.progress.step, files)
         seconds = time.perf_counter() - started
-        size = sum(len(v) for v in files.values())
+        size = sum(f.stat().st_size for f in path.iterdir())
         with self.ledger.transaction():
             self.ledger.add_metrics(self.run_id, self.progress.segment, self.pending)
             self.ledger.update_run(self.run_id, step=self.progress.step,

@@ -14,6 +14,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from lodger import rng
+from lodger.tensorfile import materialise
 from lodger.train.optim import build_optimizer, load_optimizer, lr_at, optimizer_files
 
 
@@ -54,7 +55,7 @@ def test_optimizer_state_round_trips_bitwise_and_the_next_steps_match() -> None:
     optimizer = build_optimizer(trainable(model), cfg)
     for step in range(4):
         train_step(model, optimizer, step, lr=1e-2 * (step + 1) / 4)
-    files = optimizer_files(optimizer)
+    files = materialise(optimizer_files(optimizer))
 
     fresh_model = small_model(seed=99)
     fresh_model.load_state_dict(model.state_dict())
@@ -95,7 +96,7 @@ def test_optimizer_files_are_safetensors_and_json_without_pickle() -> None:
     model = small_model()
     optimizer = build_optimizer(trainable(model), training())
     train_step(model, optimizer, 0, lr=1e-2)
-    files = optimizer_files(optimizer)
+    files = materialise(optimizer_files(optimizer))
     assert set(files) == {"optimizer.safetensors", "optimizer.json"}
     tensors = load_tensors(files["optimizer.safetensors"])
     assert {"0.exp_avg", "0.exp_avg_sq", "0.step"} <= set(tensors)

@@ -329,10 +329,14 @@ def _skip_fsync_dir_of(predicate: Callable[[Path], bool]):
     return fsync_dir
 
 
-def _write_without_fsync(path: Path, data: bytes) -> None:
+def _write_without_fsync(path: Path, data, observe=None) -> None:
+    chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
     with open(path, "wb") as fh:
         durable._record("create", path)
-        fh.write(data)
+        for chunk in chunks:
+            if observe is not None:
+                observe(chunk)
+            fh.write(chunk)
 
 
 # flaw -> (durable function replaced, replacement, what the simulator must report)

@@ -7,7 +7,8 @@ import math
 
 import torch
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
+
+from ..tensorfile import TensorFile
 
 
 def build_optimizer(params: list[torch.nn.Parameter], training) -> torch.optim.Optimizer:
@@ -33,8 +34,9 @@ def lr_at(step: int, total: int, training) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def optimizer_files(optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
-    """optimizer.safetensors (every state tensor) and optimizer.json (structure and hyperparameters)."""
+def optimizer_files(optimizer: torch.optim.Optimizer) -> dict:
+    """optimizer.safetensors (every state tensor, as a TensorFile streamed when written) and
+    optimizer.json (structure and hyperparameters)."""
     state = optimizer.state_dict()
     tensors, plain = {}, {}
     for index, slots in state["state"].items():
@@ -44,7 +46,7 @@ def optimizer_files(optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
             else:
                 plain[f"{index}.{key}"] = value
     structure = {"param_groups": state["param_groups"], "plain": plain, "class": type(optimizer).__name__}
-    return {"optimizer.safetensors": save_tensors(tensors),
+    return {"optimizer.safetensors": TensorFile(tensors),
             "optimizer.json": json.dumps(structure, sort_keys=True).encode()}
 
 
