@@ -22,6 +22,12 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _duration(seconds: float) -> str:
+    from .estimate import _duration as duration  # one way of writing durations across commands
+
+    return duration(seconds)
+
+
 def _print_plan(plan) -> None:
     """Plain lines, never cut to the terminal's width: every path and hash is shown whole."""
     from ..gate import LIMITS, caps
@@ -43,7 +49,7 @@ def _print_plan(plan) -> None:
     if est:
         room = (f" of {est['available_bytes_per_process'] / GiB:.2f} GiB" if est["available_bytes_per_process"]
                 else " (the target does not say its memory)")
-        hours = f"about {est['expected_hours']:.3g} h" if est["expected_hours"] is not None else "unknown time"
+        hours = "unknown time" if est["expected_hours"] is None else f"about {_duration(est['expected_hours'] * 3600)}"
         echo(f"estimate on {est['device']}: {est['peak_bytes_per_process'] / GiB:.2f} GiB peak per process{room}; "
              f"{hours} for {est['total_steps']} steps (speed: {est['rate_from']})")
     gpu_hours = plan.job.remote.gpu_hours
