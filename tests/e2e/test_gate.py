@@ -164,3 +164,25 @@ def test_an_approved_plan_is_recorded_before_it_goes_to_the_remote_side(setup: d
     # Nothing listens at the target's address: the remote side (or, before it is built, its
     # placeholder) fails with a message, not a crash.
     assert result.returncode != 0 and "error:" in result.stderr, describe(result)
+
+
+@pytest.mark.parametrize("answer, approved", [("yes", True), ("no", False)])
+def test_at_a_terminal_only_a_typed_yes_approves(setup: dict, answer: str, approved: bool) -> None:
+    import os
+    import pty
+
+    primary, terminal = pty.openpty()  # a real terminal on stdin, as when the user runs it
+    try:
+        os.write(primary, f"{answer}\n".encode())  # the terminal holds the line until the prompt reads it
+        result = subprocess.run([LODGER, "submit", setup["job"], "--target", "lab"], env=lodger_env(setup["home"]),
+                                stdin=terminal, capture_output=True, text=True, timeout=300)
+    finally:
+        os.close(terminal)
+        os.close(primary)
+    assert "type yes to submit" in result.stderr, describe(result)
+    if approved:
+        [approval] = events(setup["home"], "submit_approved")
+        assert approval["approved_by"] == "typed yes"
+        assert result.returncode != 0 and "Traceback" not in result.stderr  # nothing listens at the target
+    else:
+        assert_refused(result, setup, "not approved")
