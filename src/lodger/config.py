@@ -350,11 +350,6 @@ USER_ONLY_SECTIONS = {"datasets": DatasetPolicyConfig}
 """Sections of config.toml that are the user's own settings, not job defaults."""
 
 
-def dataset_policy() -> DatasetPolicyConfig:
-    """The user's [datasets] settings (defaults when config.toml has none)."""
-    return DatasetPolicyConfig.model_validate(user_defaults().get("datasets", {}))
-
-
 def user_defaults() -> dict[str, dict[str, Any]]:
     """[policy] and [limits] defaults from $LODGER_HOME/config.toml (validated), plus [agent] and
     [datasets] settings."""

@@ -52,9 +52,10 @@ def _print_plan(plan) -> None:
         hours = "unknown time" if est["expected_hours"] is None else f"about {_duration(est['expected_hours'] * 3600)}"
         echo(f"estimate on {est['device']}: {est['peak_bytes_per_process'] / GiB:.2f} GiB peak per process{room}; "
              f"{hours} for {est['total_steps']} steps (speed: {est['rate_from']})")
-    gpu_hours = plan.job.remote.gpu_hours
-    echo(f"cost: at most {plan.cost:g} ({'?' if gpu_hours is None else f'{gpu_hours:g}'} GPU hours x "
-         f"{target.cost_per_gpu_hour:g} per GPU hour); budget {'none' if target.budget is None else f'{target.budget:g}'}")
+    gpu_hours = "?" if plan.job.remote.gpu_hours is None else f"{plan.job.remote.gpu_hours:g}"
+    budget = "none" if target.budget is None else f"{target.budget:g}"
+    echo(f"cost: at most {plan.cost:g} ({gpu_hours} GPU hours x {target.cost_per_gpu_hour:g} per GPU hour); "
+         f"budget {budget}")
 
 
 @click.command()
