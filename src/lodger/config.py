@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, model_validator
 from typing import Annotated
 
 from .errors import JobFileError
@@ -48,10 +48,12 @@ class MethodConfig(_Section):
 
 class DataConfig(_Section):
     train: Path
-    """Training data: JSONL, one `{"messages": [...]}` chat or `{"text": ...}` per line.
-    Relative paths are taken from the job file's folder."""
+    """Training data: JSONL, one `{"messages": [...]}` chat or `{"text": ...}` per line; a path
+    (relative paths are taken from the job file's folder) or `dataset:NAME`, a dataset registered
+    with `lodger data add`."""
     eval: Path | None = None
-    """Held-out data in the same format. When absent, `eval_fraction` of `train` is held out."""
+    """Held-out data in the same format (a path or `dataset:NAME`). When absent, `eval_fraction`
+    of `train` is held out."""
     eval_fraction: Float = Field(0.1, ge=0.0, lt=1.0)
     """Share of the training lines held out for evaluation when `eval` is not given (0 disables eval)."""
     max_length: Int = Field(256, ge=8, le=131072)
@@ -202,9 +204,17 @@ class JobConfig(_Section):
     remote: RemoteConfig = Field(default_factory=RemoteConfig)
     """Limits that must be declared before the job may move to remote compute (`lodger submit`)."""
 
+    # What each data file is (lodger.datasets.DataUse: hash, registration), found at load time.
+    _data_uses: list = PrivateAttr(default_factory=list)
+
     def resolved_dict(self) -> dict[str, Any]:
         """The job with every default filled in, as plain TOML-ready values."""
         return self.model_dump(mode="json", exclude_none=True)
+
+    def data_uses(self) -> list:
+        """The job's data files as ``lodger.datasets.DataUse`` (role, hash, registered dataset or
+        None), resolved when the job was loaded."""
+        return list(self._data_uses)
 
 
 def _fix_for(error: dict[str, Any], model_fields: dict[str, Any]) -> str:
@@ -258,15 +268,43 @@ def _cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
         problems.append("[training] steps: missing; add `steps = N` or `epochs = N`")
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     for key in ("train", "eval"):
+        if isinstance(data.get(key), str) and data[key].startswith(DATASET_PREFIX):
+            continue  # resolved through the registry (_resolve_data)
         if isinstance(data.get(key), str) and not (base_dir / data[key]).is_file():
             problems.append(f"[data] {key} = {data[key]!r}: file not found at {(base_dir / data[key]).resolve()}; "
                             "fix the path (relative paths start at the job file's folder)")
     return problems
 
 
-def parse_job(raw: dict[str, Any], source: str, base_dir: Path) -> JobConfig:
-    """Validate an already parsed TOML table; relative data paths are resolved from ``base_dir``."""
+DATASET_PREFIX = "dataset:"
+
+
+def _resolve_data(raw: dict[str, Any], base_dir: Path, unregistered: str) -> tuple[dict[str, Any], list[str]]:
+    """Each data file that exists (or names a dataset) against the registry: {role: DataUse}, problems."""
+    from .datasets import list_datasets, resolve
+
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    wanted = {k: v for k, v in data.items() if k in ("train", "eval") and isinstance(v, str)
+              and (v.startswith(DATASET_PREFIX) or (base_dir / v).is_file())}
+    if not wanted:
+        return {}, []
+    registry = list_datasets()
+    uses, problems = {}, []
+    for role, reference in wanted.items():
+        use, found = resolve(role, reference, base_dir, unregistered=unregistered, registry=registry)
+        problems += found
+        if use is not None:
+            uses[role] = use
+    return uses, problems
+
+
+def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered: str = "warn") -> JobConfig:
+    """Validate an already parsed TOML table; relative data paths are resolved from ``base_dir``,
+    `dataset:NAME` through the registry (``unregistered``: "warn" or "strict", the user's policy
+    for data files that are not registered datasets)."""
     problems = _cross_checks(raw, base_dir)
+    uses, data_problems = _resolve_data(raw, base_dir, unregistered)
+    problems += data_problems
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as exc:
@@ -275,9 +313,10 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path) -> JobConfig:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}") from None
     data = job.data
-    data.train = (base_dir / data.train).resolve()
+    data.train = uses["train"].file.path if "train" in uses else (base_dir / data.train).resolve()
     if data.eval is not None:
-        data.eval = (base_dir / data.eval).resolve()
+        data.eval = uses["eval"].file.path if "eval" in uses else (base_dir / data.eval).resolve()
+    job._data_uses = [uses[role] for role in ("train", "eval") if role in uses]
     source_path = Path(job.model.source).expanduser()
     if not source_path.is_absolute() and (base_dir / source_path).exists():
         job.model.source = str((base_dir / source_path).resolve())
@@ -297,11 +336,23 @@ def _read_toml(path: Path, what: str) -> dict[str, Any]:
         raise JobFileError(f"{path}: not valid TOML: {exc}; fix the syntax at that line") from None
 
 
+class DatasetPolicyConfig(_Section):
+    """[datasets] in $LODGER_HOME/config.toml: the user's rules for data files."""
+
+    unregistered: Literal["warn", "strict"] = "warn"
+    """A data file that is not a registered dataset: `warn` trains locally, warns and records it;
+    `strict` refuses the job (register the file with `lodger data add`)."""
+
+
 USER_SECTIONS = {"policy": PolicyConfig, "limits": LimitsConfig}
+"""Sections of config.toml whose keys are defaults for the job's sections of the same name."""
+USER_ONLY_SECTIONS = {"datasets": DatasetPolicyConfig}
+"""Sections of config.toml that are the user's own settings, not job defaults."""
 
 
 def user_defaults() -> dict[str, dict[str, Any]]:
-    """[policy] and [limits] defaults from $LODGER_HOME/config.toml (validated), plus [agent] settings."""
+    """[policy] and [limits] defaults from $LODGER_HOME/config.toml (validated), plus [agent] and
+    [datasets] settings."""
     from .home import home
 
     path = home() / "config.toml"
@@ -312,9 +363,9 @@ def user_defaults() -> dict[str, dict[str, Any]]:
     for section, table in raw.items():
         if section == "agent":
             continue
-        model = USER_SECTIONS.get(section)
+        model = USER_SECTIONS.get(section) or USER_ONLY_SECTIONS.get(section)
         if model is None:
-            problems.append(f"[{section}]: unknown section; fix: use [policy], [limits] or [agent]")
+            problems.append(f"[{section}]: unknown section; fix: use [policy], [limits], [datasets] or [agent]")
             continue
         try:
             model.model_validate(table)
@@ -332,11 +383,13 @@ def load_job(path: str | Path, *, use_user_defaults: bool = True) -> JobConfig:
     [policy] and [limits] keys the job leaves out come from $LODGER_HOME/config.toml."""
     path = Path(path)
     raw = _read_toml(path, "job file")
+    settings = user_defaults()
     if use_user_defaults:
-        for section, table in user_defaults().items():
+        for section, table in settings.items():
             if section in USER_SECTIONS and isinstance(raw.get(section, {}), dict):
                 raw[section] = {**table, **raw.get(section, {})}
-    return parse_job(raw, str(path), path.resolve().parent)
+    policy = DatasetPolicyConfig.model_validate(settings.get("datasets", {}))
+    return parse_job(raw, str(path), path.resolve().parent, unregistered=policy.unregistered)
 
 
 def total_steps(job: JobConfig, n_train: int) -> int:

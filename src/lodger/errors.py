@@ -53,3 +53,20 @@ class PreflightError(LodgerError):
     """The job is not expected to fit in memory; nothing was written. The message says what would fit."""
 
     exit_code = 2
+
+
+class DatasetError(LodgerError):
+    """A dataset cannot be registered or changed as asked (the message says why and what to do)."""
+
+    exit_code = 2
+
+
+class GateRefused(LodgerError):
+    """`lodger submit` refused a job: the message lists every failed check; nothing was submitted."""
+
+    exit_code = 4
+
+    def __init__(self, reasons: list[str], plan=None, job_hash: str | None = None):
+        self.reasons, self.plan, self.job_hash = list(reasons), plan, job_hash
+        listed = "\n".join(f"  - {r}" for r in self.reasons)
+        super().__init__(f"submission refused, {len(self.reasons)} failed check(s); nothing was submitted:\n{listed}")

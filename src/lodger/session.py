@@ -63,8 +63,10 @@ class Prepared:
     device: str = "cpu"
 
 
-def prepare(job: JobConfig) -> Prepared:
-    """Validate data (every line), resolve and cache the model, tokenise. Writes only caches."""
+def prepare(job: JobConfig, device: str | None = None) -> Prepared:
+    """Validate data (every line), resolve and cache the model, tokenise. Writes only caches.
+
+    ``device`` skips choosing one here: the gate prepares a job for another machine's device."""
     from .model import load_tokenizer
 
     train_file = read_jsonl(job.data.train)
@@ -82,7 +84,7 @@ def prepare(job: JobConfig) -> Prepared:
         train_indices, eval_indices = split_indices(len(train_set), job.data.eval_fraction, job.training.seed)
         eval_set = train_set if eval_indices else None
     return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
-                    train_indices, eval_indices, total_steps(job, len(train_indices)), pick_device(job))
+                    train_indices, eval_indices, total_steps(job, len(train_indices)), device or pick_device(job))
 
 
 def pick_device(job: JobConfig) -> str:
@@ -413,6 +415,9 @@ class Session:
                                              p.eval_indices]).encode()).hexdigest()
         data["eval_set_sha256"] = eval_id
         data["train_examples"], data["eval_examples"] = len(p.train_indices), len(p.eval_indices)
+        for use in self.job.data_uses():  # registered dataset (name, license, owner) or not
+            if use.role in data:
+                data[use.role].update(use.provenance())
         model = {"source": p.source.spec, "kind": p.source.kind, "path": str(p.source.path),
                  "sha256": p.source.sha256, "tokenizer_sha256": p.tokenizer_sha}
         return prov.capture(job=self.job.resolved_dict(), job_hash=_job_hash(self.job),

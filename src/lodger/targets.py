@@ -43,7 +43,12 @@ class Target(_Section):
     gpus_per_node: Int = Field(0, ge=0)
     """GPUs each machine has (0: CPU only)."""
     memory_gb_per_node: Float | None = Field(None, gt=0)
-    """Memory each machine offers a job (GPU memory where it has GPUs, else RAM), for the estimate."""
+    """Memory each machine offers a job (GPU memory where it has GPUs, else RAM), for the estimate.
+    The gate divides it among the GPUs (each training process has one) or, on CPUs, among the
+    processes a node runs."""
+    tflops: Float | None = Field(None, gt=0)
+    """Sustained matmul TFLOP/s one training process reaches there (one GPU, or a node's CPUs),
+    for the time estimate. Left out: this machine's measured rate (pessimistic for GPUs)."""
 
 
 class TargetError(LodgerError):
@@ -94,3 +99,47 @@ def save_targets(targets: dict[str, Target]) -> None:
         lines += ["", f"[targets.{name}]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in target.model_dump(mode="json", exclude_none=True).items()]
     atomic_write(targets_path(), ("\n".join(lines) + "\n").encode())
+
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+def add_target(name: str, settings: dict, *, replace: bool = False) -> Target:
+    """Validate and save a target; a `target_added` ledger event records it (and what it replaced)."""
+    import re
+
+    from .ledger import Ledger
+
+    if not re.match(NAME_PATTERN, name):
+        raise TargetError(f"target name {name!r}: use letters, digits, `_`, `.`, `-` (at most 64)")
+    try:
+        target = Target.model_validate({k: v for k, v in settings.items() if v is not None})
+    except ValidationError as exc:
+        problems = [_describe(e) for e in exc.errors()]
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise TargetError(f"target {name!r}: {len(problems)} problem(s) (each key is the option of the same "
+                          f"name, `_` written `-`):\n{listed}") from None
+    targets = load_targets()
+    previous = targets.get(name)
+    if previous is not None and not replace:
+        raise TargetError(f"a target named {name!r} exists already ({previous.address}); pass --replace to "
+                          "change it, or pick another name")
+    targets[name] = target
+    with Ledger() as ledger:
+        save_targets(targets)
+        ledger.event(None, "target_added", name=name, target=target.model_dump(mode="json"),
+                     replaced=previous.model_dump(mode="json") if previous else None)
+    return target
+
+
+def remove_target(name: str) -> Target:
+    """Delete a target from the user's file; a `target_removed` ledger event records what it was."""
+    from .ledger import Ledger
+
+    targets = load_targets()
+    target = get_target(name)
+    del targets[name]
+    with Ledger() as ledger:
+        save_targets(targets)
+        ledger.event(None, "target_removed", name=name, target=target.model_dump(mode="json"))
+    return target

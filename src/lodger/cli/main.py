@@ -32,6 +32,8 @@ def cli() -> None:
     lodger run my-job.toml         train (Ctrl-C commits a checkpoint and stops)
     lodger resume RUN              continue from the newest good checkpoint
     lodger ls / show RUN / logs RUN
+    lodger data add FILE ...       register a dataset and what it may do
+    lodger submit JOB --target T   the gate to remote compute
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # lodger never downloads
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -39,9 +41,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import agent, compare, control, demo, estimate, runs, serve, train
+    from . import agent, compare, control, data, demo, estimate, remote, runs, serve, train
 
-    for module in (train, estimate, control, agent, runs, compare, serve, demo):
+    for module in (train, estimate, control, agent, runs, compare, serve, demo, data, remote):
         for command in module.COMMANDS:
             cli.add_command(command)
 

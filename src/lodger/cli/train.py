@@ -57,6 +57,12 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
 
     run_id, prepared = create_run(job, threads, managed=detach, force=force)
     click.echo(f"run {run_id}")
+    for use in prepared.job.data_uses():
+        if use.dataset is None:  # allowed by the default policy; recorded in the run's provenance
+            click.echo(f"warning: [data] {use.role} = {str(use.file.path)!r} is not a registered dataset "
+                       f"(sha256 {use.file.sha256}); register it with `lodger data add {use.file.path} --name NAME "
+                       "--license L --owner O`, or refuse such files with [datasets] unregistered = \"strict\" "
+                       "in $LODGER_HOME/config.toml", err=True)
     if detach:
         _detach(run_id, fresh=True)
         return

@@ -58,4 +58,22 @@ MIGRATIONS: list[tuple[str, str]] = [
             run_id TEXT
         );
     """),
+    ("0003_datasets", """
+        CREATE TABLE datasets (
+            name TEXT PRIMARY KEY,
+            path TEXT NOT NULL,
+            sha256 TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            lines INTEGER NOT NULL,
+            license TEXT NOT NULL,
+            owner TEXT NOT NULL,
+            may_train INTEGER NOT NULL DEFAULT 1,
+            may_leave INTEGER NOT NULL DEFAULT 0,
+            targets TEXT NOT NULL DEFAULT '[]',
+            added REAL NOT NULL,
+            updated REAL NOT NULL
+        );
+        CREATE INDEX datasets_sha256 ON datasets(sha256);
+        CREATE INDEX datasets_path ON datasets(path);
+    """),
 ]
