@@ -39,9 +39,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import agent, compare, control, demo, estimate, runs, serve, train
+    from . import agent, compare, control, demo, estimate, remote_runs, runs, serve, train
 
-    for module in (train, estimate, control, agent, runs, compare, serve, demo):
+    for module in (train, estimate, control, agent, runs, compare, serve, demo, remote_runs):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -58,4 +58,10 @@ MIGRATIONS: list[tuple[str, str]] = [
             run_id TEXT
         );
     """),
+    ("0004_remote_runs", """
+        ALTER TABLE runs ADD COLUMN target TEXT;
+        ALTER TABLE runs ADD COLUMN remote_job_id TEXT;
+        ALTER TABLE runs ADD COLUMN remote TEXT;
+        ALTER TABLE runs ADD COLUMN remote_seq INTEGER NOT NULL DEFAULT 0;
+    """),
 ]
