@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +89,7 @@ def ray_head():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _plan(job_path: Path, head: dict):
