@@ -34,6 +34,7 @@ REQUESTERS = ("user", "agent", "serve", "limit")
 LAPSING = ("agent", "serve")  # their requests lapse when the process that made them is gone (a crash)
 STRENGTH = {"run": 0, "hold": 1, "release": 2}
 HOLD_POLL_SECONDS = 0.25  # while held: a few wake-ups a second, far below 1% of a core
+REMOTE_POLL_SECONDS = 0.5  # a remote run looks at its control folder at most this often
 
 
 def control_dir(run_folder: Path) -> Path:
@@ -107,6 +108,13 @@ def notify(pid: int) -> bool:
         return False
 
 
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
 class ReleaseRequested(Exception):
     """Raised inside a step when the run must give the machine back now."""
 
@@ -124,6 +132,10 @@ class Control:
         self._interrupts = 0
         self._dirty = run_folder is not None  # read requests once at start
         self.in_step = False  # inside a micro-step's forward/backward, where a release may drop the step
+        # A run on a remote target gets no SIGUSR1 from the machine that asks: it notices new
+        # request files by their mtimes instead (a few stats every half second).
+        self._poll_at = 0.0 if run_folder is not None and os.environ.get("LODGER_REMOTE") == "1" else None
+        self._requests_seen: tuple | None = None
 
     def request_stop(self, reason: str) -> None:
         if self.stop is None:
@@ -144,6 +156,8 @@ class Control:
 
         With ``release_ok`` false (e.g. inside an evaluation) a hold is answered here and a
         release is left for the next micro-step boundary."""
+        if self._poll_at is not None:
+            self._poll_files()
         if not self._dirty:
             return
         self._dirty = False
@@ -170,6 +184,8 @@ class Control:
         while not self.stop:
             time.sleep(HOLD_POLL_SECONDS)  # a signal (SIGUSR1, SIGTERM) marks us dirty; we look then
             looks += 1
+            if self._poll_at is not None:
+                self._poll_files()
             if self._dirty or looks % 20 == 0:  # and every few seconds, in case the holder died
                 self._dirty = False
                 current = effective(read_requests(self.folder))
@@ -184,6 +200,16 @@ class Control:
                 self.announce("held", current)  # a new hold request gets its own answer
         self.announce("running", request)
         self.on_continue(request, time.monotonic() - started)
+
+    def _poll_files(self) -> None:
+        now = time.monotonic()
+        if now < self._poll_at:
+            return
+        self._poll_at = now + REMOTE_POLL_SECONDS
+        seen = tuple(_mtime(control_dir(self.folder) / f"{r}.json") for r in REQUESTERS)
+        if seen != self._requests_seen:  # written, rewritten or removed since the last look
+            self._requests_seen = seen
+            self._dirty = True
 
     def announce(self, state: str, request: dict | None = None) -> None:
         if self.folder is None:

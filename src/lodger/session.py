@@ -152,8 +152,11 @@ def preflight(prepared: Prepared, force: bool = False) -> dict:
 
 
 def create_run(job_path: Path, threads: int | None = None, *, name: str | None = None,
-               reproduces: str | None = None, managed: bool = False, force: bool = False) -> tuple[str, Prepared]:
-    """Validate a job file and create its run (folder and ledger row) atomically."""
+               reproduces: str | None = None, managed: bool = False, force: bool = False,
+               run_id: str | None = None) -> tuple[str, Prepared]:
+    """Validate a job file and create its run (folder and ledger row) atomically.
+
+    ``run_id`` is given only by a remote worker: its run keeps the id of the local run it serves."""
     job = load_job(job_path)
     if threads is not None:
         job.training.threads = threads
@@ -162,7 +165,7 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     prepared = prepare(job)
     memory = preflight(prepared, force)
     name = name or job.name or Path(job_path).stem
-    run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    run_id = run_id or new_run_id(name)
     tmp = runs_dir() / f".tmp-{run_id}"
     durable.mkdir(tmp)
     durable.write_file(tmp / JOB_FILE, to_toml(job.resolved_dict()).encode())
@@ -175,6 +178,10 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
                           total_steps=prepared.total_steps, pid=None, reproduces=reproduces, managed=managed,
                           estimate=memory)
     return run_id, prepared
+
+
+def new_run_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 class Session:
@@ -228,6 +235,11 @@ class Session:
         self.memory_ceiling = int(limits.memory_gb * 2**30) if limits.memory_gb else None
         self.compute_limit = limits.max_compute_hours * 3600 if limits.max_compute_hours else None
         self.prior_cpu_seconds = 0.0  # CPU seconds of earlier segments, for the compute limit
+        from .remote.limits import RemoteLimits
+
+        self.remote_limits = RemoteLimits.for_this_process(self.job.remote, self.device,
+                                                           self.job.training.world_size)
+        self.prior_wall_seconds = 0.0  # wall seconds of earlier segments, for the remote limits
 
     def check_limits(self) -> None:
         """Turn a reached memory ceiling or compute limit into a release request (checked per micro-step)."""
@@ -244,6 +256,11 @@ class Session:
         if self.compute_limit and self.prior_cpu_seconds + time.process_time() - self.meter.cpu0 > self.compute_limit:
             self._limit_reached(f"compute limit of {self.compute_limit / 3600:g} CPU hours reached; raise "
                                 "[limits] max_compute_hours to continue")
+        if self.remote_limits:
+            wall = self.prior_wall_seconds + time.time() - self.meter.wall0
+            reason = self.remote_limits.reached(wall)
+            if reason:
+                self._limit_reached(reason, **self.remote_limits.measure(wall))
 
     def _limit_reached(self, reason: str, **measured) -> None:
         if self.control.release is None:
@@ -466,8 +483,9 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         ledger.add_provenance(run_id, session.progress.segment, record)
         _write_provenance_json(folder, ledger.provenance(run_id))
         ledger.update_run(run_id, pid=os.getpid(), segment=session.progress.segment)
-        session.prior_cpu_seconds = sum(seg.get("cpu_seconds") or 0.0
-                                        for seg in segment_compute(ledger.events(run_id)))
+        earlier = segment_compute(ledger.events(run_id))
+        session.prior_cpu_seconds = sum(seg.get("cpu_seconds") or 0.0 for seg in earlier)
+        session.prior_wall_seconds = sum(seg.get("wall_seconds") or 0.0 for seg in earlier)
         lost = {"lost_after_step": session.resumed_from[1]} if resuming else {}
         ledger.set_status(run_id, "running", "resumed" if resuming else "started",
                           step=session.progress.step, segment=session.progress.segment, pid=os.getpid(),

@@ -46,6 +46,17 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
         started = time.monotonic()
         waiting = []
         for run in targets:
+            if run.get("target"):  # on a remote target: a request file in storage, noticed by polling
+                from ..remote import remote_run_dir
+
+                if run["status"] not in ("submitted", "running", "held"):
+                    raise RunStateError(f"run {run['id']} is not training now (status {run['status']})")
+                folder = remote_run_dir(run)
+                folder.mkdir(parents=True, exist_ok=True)
+                write_request(folder, "user", mode, "lodger pause")
+                ledger.event(run["id"], "pause_requested", mode=mode, by="user", target=run["target"])
+                waiting.append((run, folder, None, time.time()))
+                continue
             folder = run_dir(run["id"])
             pid = lock_pid(folder)
             if not is_locked(folder) or pid is None:
@@ -64,6 +75,12 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
                 if state.get("state") == "held" and state.get("time", 0) >= asked - 1:
                     click.echo(f"{run['id']}: held at step {state.get('step')} "
                                f"({time.monotonic() - started:.2f} s); `lodger resume {run['id']}` continues")
+                    break
+            elif pid is None:  # remote: the run answers in its state file when it has stopped
+                state = run_state(folder)
+                if state.get("state") in ("paused", "interrupted", "finished") and state.get("time", 0) >= asked - 1:
+                    click.echo(f"{run['id']}: {state['state']} at step {state.get('step')} on {run['target']} "
+                               f"({time.monotonic() - started:.2f} s)")
                     break
             elif not is_locked(folder):
                 state = run_state(folder)
@@ -89,14 +106,23 @@ def status(as_json: bool) -> None:
     from .runs import live_status
 
     with Ledger() as ledger:
-        runs = [r for r in ledger.runs() if r["status"] not in ("finished", "failed")]
+        runs = [r for r in ledger.runs() if r["status"] not in ("finished", "failed", "cancelled")]
+        if any(r.get("target") for r in runs):
+            from ..remote.sync import sync
+
+            runs = [sync(ledger, r) if r.get("target") else r for r in runs]  # storage only, no ray
         queue = ledger.queue()
     rows = []
     for run in runs:
         state = live_status(run)
-        requests = {k: v.get("state") for k, v in read_requests(run_dir(run["id"])).items()}
+        folder = run_dir(run["id"])
+        if run.get("target"):
+            from ..remote import remote_run_dir
+
+            folder = remote_run_dir(run)
+        requests = {k: v.get("state") for k, v in read_requests(folder).items()}
         rows.append({"id": run["id"], "status": state, "step": run["step"], "total_steps": run["total_steps"],
-                     "managed": bool(run.get("managed")), "requests": requests})
+                     "managed": bool(run.get("managed")), "requests": requests, "target": run.get("target")})
     info = {"agent_pid": agent_pid(), "runs": rows, "queue": queue}
     if as_json:
         click.echo(json.dumps(info, indent=1, default=str))
@@ -107,7 +133,7 @@ def status(as_json: bool) -> None:
     for r in rows:
         extra = ", ".join(f"{k}:{v}" for k, v in r["requests"].items())
         click.echo(f"{r['status']:<12} {r['id']}  step {r['step']}/{r['total_steps']}"
-                   + (f"  [{extra}]" if extra else ""))
+                   + (f"  on {r['target']}" if r["target"] else "") + (f"  [{extra}]" if extra else ""))
     for q in queue:
         click.echo(f"{'queued':<12} #{q['id']} {q['name']}  priority {q['priority']}")
 

@@ -21,6 +21,8 @@ def live_status(run: dict) -> str:
     from ..home import run_dir
     from ..runlock import is_locked
 
+    if run.get("target"):
+        return run["status"]  # a remote run: as of the last sync (`lodger sync RUN` asks Ray too)
     if run["status"] in ("running", "held") and not is_locked(run_dir(run["id"])):
         return "crashed"
     return run["status"]
@@ -69,6 +71,10 @@ def show(run_id: str, as_json: bool) -> None:
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
+        if run.get("target"):
+            from ..remote.sync import sync
+
+            run = sync(ledger, run)  # files from storage only: cheap, no ray
         events = ledger.events(run["id"])
         provenance = ledger.provenance(run["id"])
         train = ledger.metrics(run["id"], "train")
@@ -86,6 +92,8 @@ def show(run_id: str, as_json: bool) -> None:
     click.echo(f"run       {run['id']}  ({run['status']})")
     click.echo(f"progress  step {run['step']}/{run['total_steps']}  loss {run['loss']}")
     click.echo(f"model     {run['model']}  method {run['method']}")
+    if run.get("target"):
+        click.echo(f"remote    target {run['target']}  Ray submission {run['remote_job_id']}")
     click.echo(f"folder    {folder}")
     click.echo(f"last good checkpoint  {checkpoints[-1] if checkpoints else '-'}")
     if info["last_eval"]:
@@ -116,8 +124,12 @@ def show(run_id: str, as_json: bool) -> None:
 @click.command()
 @click.argument("run_id", metavar="RUN")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines while the run is alive.")
-def logs(run_id: str, follow: bool) -> None:
+@click.option("--ray", "from_ray", is_flag=True, help="A remote run: print Ray's log of its current job instead.")
+def logs(run_id: str, follow: bool, from_ray: bool) -> None:
     """Print RUN's log (log.txt); with -f, follow it like `tail -f`.
+
+    A remote run's log is read from the target's storage; `--ray` asks Ray for the job's own
+    output (the entrypoint's stdout and stderr, useful when the run never started).
 
     Example: lodger logs my-job-20261129-101500-ab12 -f
     """
@@ -128,6 +140,15 @@ def logs(run_id: str, follow: bool) -> None:
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
     folder = run_dir(run["id"])
+    if run.get("target"):
+        from ..remote import job_logs, remote_run_dir
+
+        if from_ray:
+            sys.stdout.write(job_logs(run))
+            return
+        folder = remote_run_dir(run)  # the live log, straight from storage
+    elif from_ray:
+        raise LodgerError(f"run {run['id']} runs on this machine; it has no Ray log")
     path = folder / "log.txt"
     if not path.exists() and not follow:
         raise LodgerError(f"run {run['id']} has no log yet")

@@ -100,6 +100,11 @@ def resume(run_id: str, threads: int | None, quiet: bool, detach: bool) -> None:
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
+        if run.get("target"):
+            from ..remote import resume as resume_remote
+
+            click.echo(f"run {run['id']} {resume_remote(ledger, run)}")
+            return
         folder = run_dir(run["id"])
         if run["status"] == "finished":
             raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger run`")

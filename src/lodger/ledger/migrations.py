@@ -76,4 +76,10 @@ MIGRATIONS: list[tuple[str, str]] = [
         CREATE INDEX datasets_sha256 ON datasets(sha256);
         CREATE INDEX datasets_path ON datasets(path);
     """),
+    ("0004_remote_runs", """
+        ALTER TABLE runs ADD COLUMN target TEXT;
+        ALTER TABLE runs ADD COLUMN remote_job_id TEXT;
+        ALTER TABLE runs ADD COLUMN remote TEXT;
+        ALTER TABLE runs ADD COLUMN remote_seq INTEGER NOT NULL DEFAULT 0;
+    """),
 ]

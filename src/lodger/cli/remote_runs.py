@@ -1,0 +1,93 @@
+"""Commands for runs on a remote target: sync, cancel (and the hidden remote worker).
+
+`lodger submit` (cli/remote.py) sends a job; `status`, `show`, `logs`, `pause` and `resume`
+work on remote runs as on local ones. Ray is imported only where Ray is asked something.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..errors import RunStateError
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def sync(run_id: str, as_json: bool) -> None:
+    """Bring a remote RUN's checkpoints, metrics, log and events home, and ask Ray how its job is.
+
+    Only committed checkpoints that verify against their manifest are copied. `show`, `status`
+    and `logs` do the file part by themselves; `sync` also notices a job that Ray says ended
+    without the run saying so (killed, lost node) and records it as crashed.
+
+    Example: lodger sync my-job-20261129-101500-ab12
+    """
+    from ..home import run_dir
+    from ..ledger import Ledger
+    from ..remote import TERMINAL, RemoteError, is_remote, job_status
+    from ..remote.sync import sync as sync_run
+
+    with Ledger() as ledger:
+        run = ledger.find_run(run_id)
+        if not is_remote(run):
+            raise RunStateError(f"run {run['id']} runs on this machine; there is nothing to sync")
+        try:
+            ray_status, message = job_status(run)  # asked first: an ended job has written all it will
+        except RemoteError as exc:
+            ray_status, message = None, str(exc)
+        run = sync_run(ledger, run)
+        if ray_status in TERMINAL and run["status"] in ("submitted", "created", "running", "held"):
+            ledger.set_status(run["id"], "crashed", "remote_job_ended", ray_status=ray_status, message=message,
+                              step=run["step"], submission_id=run["remote_job_id"])
+            run = ledger.run(run["id"])
+    folder = run_dir(run["id"])
+    checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
+    info = {"id": run["id"], "status": run["status"], "step": run["step"], "total_steps": run["total_steps"],
+            "target": run["target"], "submission_id": run["remote_job_id"], "ray_status": ray_status,
+            "ray_message": message, "checkpoints": checkpoints, "adapter": (folder / "adapter").is_dir()}
+    if as_json:
+        click.echo(json.dumps(info, indent=1))
+        return
+    click.echo(f"{run['id']}: {run['status']} at step {run['step']}/{run['total_steps']} on {run['target']} "
+               f"(Ray: {ray_status or message}); checkpoints here: {', '.join(checkpoints) or 'none yet'}")
+
+
+@click.command()
+@click.argument("run_id", metavar="RUN")
+def cancel(run_id: str) -> None:
+    """Stop a remote RUN's Ray job and mark the run cancelled.
+
+    Ray sends the job SIGTERM (it commits a checkpoint at the next step if it has time) and kills
+    it a few seconds later. A cancelled run is not resumed; submit the job again instead. To stop
+    a run you mean to continue, use `lodger pause RUN`.
+
+    Example: lodger cancel my-job-20261129-101500-ab12
+    """
+    from ..ledger import Ledger
+    from ..remote import cancel as cancel_run
+    from ..remote import is_remote
+
+    with Ledger() as ledger:
+        run = ledger.find_run(run_id)
+        if not is_remote(run):
+            raise RunStateError(f"run {run['id']} runs on this machine; `lodger pause {run['id']}` stops it "
+                                "with a checkpoint")
+        was_running = cancel_run(ledger, run)
+    click.echo(f"run {run['id']} cancelled" + (" (its Ray job was told to stop)" if was_running else ""))
+
+
+@click.command(name="_remote_worker", hidden=True)
+@click.argument("run_id")
+@click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
+def remote_worker(run_id: str, job: Path) -> None:
+    """Train RUN inside a Ray job (LODGER_HOME is the run's home in storage): start or resume it."""
+    from ..remote.worker import start
+
+    start(run_id, job)
+
+
+COMMANDS = [sync, cancel, remote_worker]

@@ -1,0 +1,150 @@
+"""Bring a remote run's results home: checkpoints, metrics, log, adapter and events (no ray, no torch).
+
+Everything is read from the target's storage folder, which this machine sees. Only committed
+checkpoints that verify against their manifest are copied (through durable.py, like any
+checkpoint); the remote ledger's new events become ``remote_event`` events on the local run, its
+metric rows are stored locally, and the local run's status and step follow the remote one.
+Safe to repeat and to run while the remote job writes: what is half-written is skipped now and
+picked up next time.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+from .. import durable
+from ..checkpoint import MANIFEST, CheckpointStore
+from ..errors import CheckpointError, RunNotFound
+from ..home import run_dir
+from . import remote_home, remote_run_dir
+
+STICKY = ("cancelled",)  # local decisions the remote side's later events do not overturn
+
+
+def sync(ledger, run: dict) -> dict:
+    """Copy what is new from storage into the local run and ledger; return the updated run row."""
+    source, local = remote_run_dir(run), run_dir(run["id"])
+    if not source.is_dir():
+        return run  # the remote worker has not created its run yet
+    local.mkdir(exist_ok=True)
+    keep = _keep_last(source)
+    copied = _sync_checkpoints(source / "checkpoints", local / "checkpoints", keep)
+    for name in ("metrics.jsonl", "log.txt", "provenance.json"):
+        _mirror_file(source / name, local / name)
+    _mirror_adapter(source / "adapter", local / "adapter")
+    _ingest_ledger(ledger, run, copied)
+    return ledger.run(run["id"])
+
+
+def _keep_last(source: Path) -> int:
+    from ..config import load_job
+
+    try:
+        return load_job(source / "job.toml", use_user_defaults=False).checkpoints.keep_last
+    except Exception:  # noqa: BLE001 - a job we cannot read here keeps the default
+        return 3
+
+
+def _sync_checkpoints(remote_root: Path, local_root: Path, keep_last: int) -> list[str]:
+    """Copy committed remote checkpoints that verify and are not here yet; prune like the run does."""
+    if not remote_root.is_dir():
+        return []
+    remote = CheckpointStore.__new__(CheckpointStore)  # read-only view: never create folders in storage
+    remote.root, remote.keep_last, remote.world_size = remote_root, keep_last, 1
+    store = CheckpointStore(local_root, keep_last)
+    store.clean_stale()
+    have = {step for step, _ in store.committed()}
+    copied = []
+    for step, path in reversed(remote.committed()[:keep_last]):
+        if step in have:
+            continue
+        try:
+            ckpt = remote.load(path)  # every file checked against the manifest
+            manifest = (path / MANIFEST).read_bytes()
+        except (CheckpointError, OSError):
+            continue  # pruned or written right now: the next sync sees its successor
+        if json.loads(manifest).get("manifest_sha256") != ckpt.manifest.get("manifest_sha256"):
+            continue  # replaced between the two reads
+        tmp = local_root / f".tmp-{step:08d}-sync-{secrets.token_hex(4)}"
+        durable.mkdir(tmp)
+        for name, data in ckpt.files.items():
+            durable.write_file(tmp / name, data)
+        durable.write_file(tmp / MANIFEST, manifest)  # last, as in CheckpointStore.save
+        durable.fsync_dir(tmp)
+        try:
+            durable.rename(tmp, local_root / path.name)
+        except OSError:  # another sync got there first
+            durable.remove_tree(tmp)
+            continue
+        durable.fsync_dir(local_root)
+        copied.append(path.name)
+    store.prune()
+    return copied
+
+
+def _mirror_file(source: Path, target: Path) -> None:
+    try:
+        data = source.read_bytes()
+    except OSError:
+        return
+    try:
+        if target.read_bytes() == data:
+            return
+    except OSError:
+        pass
+    durable.atomic_write(target, data)
+
+
+def _mirror_adapter(source: Path, target: Path) -> None:
+    """The final weights, once the remote run wrote them (its folder appears by an atomic rename)."""
+    if not source.is_dir():
+        return
+    files = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    if target.is_dir() and {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()} == files:
+        return
+    tmp = target.parent / f".adapter-tmp-{secrets.token_hex(3)}"
+    durable.mkdir(tmp)
+    for name, data in files.items():
+        durable.write_file(tmp / name, data)
+    durable.fsync_dir(tmp)
+    if target.exists():
+        durable.remove_tree(target)
+    durable.rename(tmp, target)
+    durable.fsync_dir(target.parent)
+
+
+def _ingest_ledger(ledger, run: dict, copied: list[str]) -> None:
+    """New remote events and every metric row into the local ledger, with the run's state, at once."""
+    from ..ledger import Ledger
+
+    path = remote_home(run) / "ledger.db"
+    if not path.is_file():
+        return
+    with Ledger(path) as remote:
+        try:
+            remote_run = remote.run(run["id"])
+        except RunNotFound:
+            return
+        events = [e for e in remote.events(run["id"]) if e["seq"] > (run.get("remote_seq") or 0)]
+        metrics = {kind: remote.metrics(run["id"], kind) for kind in ("train", "eval")}
+    with ledger.transaction():
+        for e in events:
+            ledger.event(run["id"], "remote_event", remote_kind=e["kind"], data=e["data"], remote_seq=e["seq"],
+                         remote_time=e["time"])
+        for records in metrics.values():
+            by_segment: dict[int, list[dict]] = {}
+            for r in records:
+                by_segment.setdefault(r.pop("segment"), []).append(r)
+            for segment, rows in by_segment.items():
+                ledger.add_metrics(run["id"], segment, rows)
+        if copied:
+            ledger.event(run["id"], "remote_checkpoints_synced", checkpoints=copied)
+        fields = {"step": remote_run["step"], "loss": remote_run["loss"], "segment": remote_run["segment"],
+                  "total_steps": remote_run["total_steps"]}
+        if events:
+            fields["remote_seq"] = events[-1]["seq"]
+            if run["status"] not in STICKY:
+                fields["status"] = remote_run["status"]
+        ledger.update_run(run["id"], **fields)

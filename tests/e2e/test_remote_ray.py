@@ -1,0 +1,271 @@
+"""Remote execution on a real Ray head started on 127.0.0.1 by this module (stopped afterwards).
+
+An approved job (a Plan as the gate builds it) is submitted through Ray's job submission API;
+the Ray job runs the same lodger training in its own home under the target's storage folder;
+`lodger sync`, `show`, `logs`, `pause`, `resume` and `cancel` work on it from here. The results
+are compared bitwise with the uninterrupted local baseline of the same job and thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from helpers import (TOTAL_STEPS, checkpoint_dirs, describe, event_kinds, final_adapter_bytes, lodger_env,
+                     read_metrics, run_dir_of, run_lodger, show, train_records, wait_for_step, wait_until,
+                     write_job)
+
+pytest.importorskip("ray", reason="ray is not installed (pip install 'lodger[remote]')")
+
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}  # a throwaway cluster, both sides
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _processes_mentioning(text: str) -> list:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.pid != os.getpid() and any(text in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A one-CPU Ray head with the dashboard (job API) on free ports; its own temp dir and storage."""
+    # Short temp dir: Ray's unix socket paths must stay under ~107 characters.
+    temp = Path(tempfile.mkdtemp(prefix="lr-", dir="/tmp"))
+    storage = temp / "storage"
+    storage.mkdir()
+    port, dashboard = _free_port(), _free_port()
+    saved = {k: os.environ.get(k) for k in RAY_ENV}
+    os.environ.update(RAY_ENV)
+    ray = str(Path(sys.executable).with_name("ray"))
+    started = subprocess.run(
+        [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "true",
+         "--num-cpus", "1", "--temp-dir", str(temp / "ray"), "--disable-usage-stats"],
+        env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=180)
+    try:
+        assert started.returncode == 0, describe(started)
+        yield {"address": f"http://127.0.0.1:{dashboard}", "storage": storage}
+    finally:
+        # Not `ray stop`: it stops every Ray process of this user on the machine. Ours are the ones
+        # that name our temp dir (the cluster, and jobs whose entrypoint names the storage in it).
+        import psutil
+
+        ours = _processes_mentioning(str(temp))
+        for proc in ours:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(ours, timeout=15)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _plan(job_path: Path, head: dict):
+    """What the gate hands over once it approved a job: the validated job, the target, the files."""
+    from lodger.checkpoint import hash_file
+    from lodger.config import load_job
+    from lodger.remote import LeavingFile, Plan
+    from lodger.targets import Target
+
+    job = load_job(job_path)
+    files = [LeavingFile(role, Path(p), Path(p).stat().st_size, hash_file(Path(p)))
+             for role, p in (("data", job.data.train), ("data", job.data.eval), ("job", job_path)) if p]
+    target = Target(address=head["address"], storage=str(head["storage"]))
+    return Plan(job_path=job_path, job=job, target_name="test-ray", target=target, files=files,
+                estimate={}, cost=0.0, datasets=[])
+
+
+def _submit(job_path: Path, head: dict) -> str:
+    """Straight to lodger.remote.submit, past the gate: for a job the gate would refuse (a wall
+    time shorter than its estimate), to show that the job enforces its limits by itself."""
+    from lodger.remote import submit
+
+    return submit(_plan(job_path, head))
+
+
+REMOTE_LIMITS = "\n[remote]\nwall_hours = 1.0\ngpu_hours = 0.0\ncost = 0.0\nnodes = 1\n"
+
+
+def _submit_through_gate(job_path: Path, head: dict, env: dict, tmp_path: Path) -> str:
+    """As a user does it: a target, datasets allowed to leave for it, explicit limits, `lodger
+    submit --approve`; returns the run id it prints."""
+    import tomllib
+
+    def ok(args):
+        result = run_lodger(args, env)
+        assert result.returncode == 0, describe(result)
+        return result
+
+    ok(["target", "add", "test-ray", "--address", head["address"], "--storage", str(head["storage"]),
+        "--wall-hours", "2", "--gpu-hours", "0", "--budget", "0", "--replace"])
+    data = tomllib.loads(job_path.read_text())["data"]
+    for key in ("train", "eval"):
+        if key in data:
+            ok(["data", "add", data[key], "--name", f"e2e-{key}", "--license", "CC-BY-4.0", "--owner", "tests",
+                "--leave", "--target", "test-ray"])
+    job = tmp_path / f"remote-{job_path.name}"
+    job.write_text(job_path.read_text() + REMOTE_LIMITS)
+    submitted = ok(["submit", job, "--target", "test-ray", "--approve"])
+    return next(line.split()[1] for line in submitted.stdout.splitlines() if line.startswith("run "))
+
+
+def _remote_dir(head: dict, run_id: str) -> Path:
+    return head["storage"] / run_id / "home" / "runs" / run_id
+
+
+def _remote_state(head: dict, run_id: str) -> dict:
+    from lodger.control import run_state
+
+    return run_state(_remote_dir(head, run_id))
+
+
+def _sync(run_id: str, env: dict) -> dict:
+    result = run_lodger(["sync", run_id, "--json"], env)
+    assert result.returncode == 0, describe(result)
+    return json.loads(result.stdout)
+
+
+def _wait_synced(run_id: str, env: dict, statuses: tuple[str, ...], timeout: float = 240) -> dict:
+    """Poll `lodger sync` (files and Ray) until the local run reaches one of ``statuses``."""
+    return wait_until(lambda: (info := _sync(run_id, env))["status"] in statuses and info, timeout,
+                      what=f"run {run_id} to become {' or '.join(statuses)}", interval=0.2)
+
+
+def _remote_events(info: dict) -> list[str]:
+    return [e["data"]["remote_kind"] for e in info["events"] if e["kind"] == "remote_event"]
+
+
+def test_remote_job_runs_there_and_its_results_come_home_bitwise_equal(ray_head, standard_job, baseline,
+                                                                        lodger_home, tmp_path):
+    env = lodger_env(lodger_home, **RAY_ENV)
+    run_id = _submit_through_gate(standard_job, ray_head, env, tmp_path)
+    assert show(run_id, env)["run"]["status"] in ("submitted", "created", "running")
+
+    wait_until(lambda: _remote_state(ray_head, run_id).get("state") == "finished", 300,
+               what="the remote run to finish", interval=0.05)
+    info = _wait_synced(run_id, env, ("finished",))
+    assert info["checkpoints"] == ["step-00000020", "step-00000024"], info
+    local = run_dir_of(run_id, env)
+    assert train_records(local) == baseline.records
+    assert final_adapter_bytes(local) == baseline.adapter
+
+    shown = show(run_id, env)
+    assert shown["run"]["target"] == "test-ray" and shown["run"]["step"] == TOTAL_STEPS
+    assert shown["last_train"]["step"] == TOTAL_STEPS  # metrics are in the local ledger
+    assert {"created", "started", "checkpoint", "finished"} <= set(_remote_events(shown))
+    assert "remote_submitted" in event_kinds(shown)
+
+    logs = run_lodger(["logs", run_id], env)
+    assert logs.returncode == 0 and "finished: 24 steps" in logs.stdout, describe(logs)
+    ray_logs = run_lodger(["logs", run_id, "--ray"], env)
+    assert ray_logs.returncode == 0 and "_remote_worker" in ray_logs.stdout, describe(ray_logs)
+    audit = run_lodger(["audit"], env)
+    assert audit.returncode == 0, describe(audit)
+
+
+def test_remote_worker_killed_mid_run_resumes_bitwise_equal(ray_head, standard_job, baseline, lodger_home):
+    from lodger.runlock import lock_pid
+
+    env = lodger_env(lodger_home, **RAY_ENV)
+    run_id = _submit(standard_job, ray_head)
+    remote = _remote_dir(ray_head, run_id)
+    wait_until(lambda: (remote / "metrics.jsonl").exists(), 300, what="the remote run to start", interval=0.05)
+    wait_for_step(remote, 10, timeout=300)
+    pid = lock_pid(remote)
+    assert pid, "the remote run's lock names no pid"
+    os.kill(pid, signal.SIGKILL)
+
+    crashed = _wait_synced(run_id, env, ("crashed",))
+    assert crashed["ray_status"] == "FAILED", crashed
+    assert crashed["step"] < TOTAL_STEPS
+
+    resumed = run_lodger(["resume", run_id], env)
+    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
+    info = _wait_synced(run_id, env, ("finished",))
+    assert info["submission_id"].endswith("-s1")
+    local = run_dir_of(run_id, env)
+    assert train_records(local) == baseline.records
+    assert final_adapter_bytes(local) == baseline.adapter
+    shown = show(run_id, env)
+    assert "resumed" in _remote_events(shown)
+    assert event_kinds(shown).count("remote_submitted") == 2 and "remote_job_ended" in event_kinds(shown)
+
+
+def test_remote_wall_time_limit_stops_the_job_with_a_committed_checkpoint(ray_head, e2e_data, tiny_model_dir,
+                                                                          lodger_home, tmp_path):
+    env = lodger_env(lodger_home, **RAY_ENV)
+    job = write_job(tmp_path / "limited.toml", model=tiny_model_dir, train=e2e_data["train"], eval=e2e_data["eval"],
+                    name="limited", steps=2000, extra={"remote": {"wall_hours": 0.0003}})  # about 1 s
+    run_id = _submit(job, ray_head)
+    info = _wait_synced(run_id, env, ("paused", "finished", "failed", "crashed"), timeout=300)
+    assert info["status"] == "paused", info
+    assert info["checkpoints"] and 0 <= info["step"] < 2000, info
+    assert info["checkpoints"][-1] == f"step-{info['step']:08d}"
+    assert info["ray_status"] == "FAILED"  # exit 3: the limit's exit code
+    paused = [e for e in show(run_id, env)["events"]
+              if e["kind"] == "remote_event" and e["data"]["remote_kind"] == "paused"]
+    assert paused and paused[-1]["data"]["data"]["by"] == "limit", paused
+    assert "wall-time limit" in paused[-1]["data"]["data"]["reason"]
+
+
+def test_remote_pause_resume_and_cancel(ray_head, e2e_data, tiny_model_dir, lodger_home, tmp_path):
+    env = lodger_env(lodger_home, **RAY_ENV)
+    job = write_job(tmp_path / "long.toml", model=tiny_model_dir, train=e2e_data["train"], eval=e2e_data["eval"],
+                    name="long", steps=2000)
+    run_id = _submit(job, ray_head)
+    remote = _remote_dir(ray_head, run_id)
+    wait_until(lambda: (remote / "metrics.jsonl").exists(), 300, what="the remote run to start", interval=0.05)
+    wait_for_step(remote, 3, timeout=300)
+
+    paused = run_lodger(["pause", run_id, "--timeout", "120"], env)
+    assert paused.returncode == 0 and "paused at step" in paused.stdout, describe(paused)
+    info = _wait_synced(run_id, env, ("paused",))
+    step = info["step"]
+    assert info["checkpoints"][-1] == f"step-{step:08d}"
+
+    resumed = run_lodger(["resume", run_id], env)
+    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
+    wait_for_step(remote, step + 2, segment=1, timeout=300)
+    status = run_lodger(["status"], env)
+    assert status.returncode == 0 and run_id in status.stdout and "on test-ray" in status.stdout, describe(status)
+
+    cancelled = run_lodger(["cancel", run_id], env)
+    assert cancelled.returncode == 0, describe(cancelled)
+    info = wait_until(lambda: (i := _sync(run_id, env))["ray_status"] == "STOPPED" and i, 120,
+                      what="Ray to stop the job", interval=0.2)
+    assert info["status"] == "cancelled"  # the remote side's later events do not overturn it
+    again = run_lodger(["resume", run_id], env)
+    assert again.returncode != 0 and "cancelled" in again.stderr, describe(again)
+    assert [r["step"] for r in read_metrics(remote) if r["kind"] == "train"][-1] < 2000
