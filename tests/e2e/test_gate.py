@@ -161,9 +161,11 @@ def test_an_approved_plan_is_recorded_before_it_goes_to_the_remote_side(setup: d
     assert approval["files"] == plan["files"] and approval["cost"] == 1.5
     assert [d["name"] for d in approval["datasets"]] == ["chat-train", "chat-eval"]
     assert events(setup["home"], "submit_refused") == []
-    # Nothing listens at the target's address: the remote side (or, before it is built, its
-    # placeholder) fails with a message, not a crash.
+    # Nothing listens at the target's address: the remote side fails with a message, not a
+    # crash, and the failure is on the record beside the approval.
     assert result.returncode != 0 and "error:" in result.stderr, describe(result)
+    [failed] = events(setup["home"], "submit_failed")
+    assert failed["target"] == "lab" and failed["error"] in result.stderr
 
 
 @pytest.mark.parametrize("answer, approved", [("yes", True), ("no", False)])

@@ -96,9 +96,16 @@ def submit(job: Path, target_name: str, approve: bool, as_json: bool) -> None:
         gate.record_refusal(job, target_name, refused)
         raise refused
     gate.record_approval(plan, how)
+    from ..errors import LodgerError
+    from ..ledger import Ledger
     from ..remote import submit as remote_submit
 
-    run_id = remote_submit(plan)
+    try:
+        run_id = remote_submit(plan)
+    except LodgerError as exc:  # approved, but it never got there: that is on the record too
+        with Ledger() as ledger:
+            ledger.event(None, "submit_failed", target=target_name, job_hash=plan.job_hash(), error=str(exc))
+        raise
     click.echo(f"run {run_id}")
 
 
