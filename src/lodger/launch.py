@@ -12,11 +12,11 @@ from .errors import LodgerError
 from .home import run_dir
 
 
-def spawn_worker(run_id: str, *, fresh: bool) -> subprocess.Popen:
+def spawn_worker(run_id: str, *, fresh: bool, extra: list[str] | None = None) -> subprocess.Popen:
     """A new session (survives the terminal closing) that trains ``run_id``; output to worker.out."""
     folder = run_dir(run_id)
     log = open(folder / "worker.out", "ab")
-    command = [sys.executable, "-m", "lodger.cli.main", "_worker", run_id] + (["--fresh"] if fresh else [])
+    command = [sys.executable, "-m", "lodger.cli.main", "_worker", run_id] + (["--fresh"] if fresh else []) + list(extra or [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     try:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -31,7 +31,8 @@ def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = run_state(folder)
-        if state.get("pid") == process.pid and state.get("state") in ("running", "held", "finished", "paused"):
+        # With world_size > 1 the worker execs torchrun, and rank 0 (its child) announces itself.
+        if state.get("pid") in (process.pid, *_children(process.pid)) and state.get("state") in ("running", "held", "finished", "paused"):
             return
         code = process.poll()
         if code is not None:
@@ -41,3 +42,12 @@ def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 
             raise LodgerError(f"the background run {run_id} exited with status {code}:\n{tail}")
         time.sleep(0.1)
     raise LodgerError(f"the background run {run_id} did not start within {timeout:.0f} s; see {folder}/worker.out")
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc); empty where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(x) for x in fh.read().split()]
+    except (OSError, ValueError):
+        return []
