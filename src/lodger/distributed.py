@@ -70,8 +70,13 @@ def refuse_other_world_size(run_id: str, recorded: int | None, now: int) -> None
 
 
 def launch(run_id: str, world_size: int, threads: int, *, fresh: bool, quiet: bool) -> None:
-    """Replace this process with torchrun running ``world_size`` ranks of `lodger _worker RUN` (never returns)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+    """Replace this process with the rank supervisor (``python -m lodger.distributed``); never returns.
+
+    The supervisor imports no torch; it runs torchrun in a session of its own and passes SIGTERM
+    and Ctrl-C to the ranks, so they commit a checkpoint together and torchrun exits 0. (Signalled
+    itself, torchrun tears its workers down and exits 1 with a traceback.)
+    """
+    command = [sys.executable, "-m", "lodger.distributed", "--standalone", f"--nproc-per-node={world_size}",
                "-m", "lodger.cli.main", "_worker", run_id, f"--world-size={world_size}", f"--threads={threads}"]
     command += (["--fresh"] if fresh else []) + ([] if quiet else ["--no-quiet"])
     # torchrun would set OMP_NUM_THREADS=1 (with a warning); the job's thread count is what we want,
@@ -81,6 +86,38 @@ def launch(run_id: str, world_size: int, threads: int, *, fresh: bool, quiet: bo
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, command, env)
+
+
+def supervise(torchrun_args: list[str]) -> int:
+    """Run torchrun with these arguments; forward SIGTERM, SIGINT and SIGUSR1 to its ranks; return its code."""
+    import signal
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun_args],
+                             start_new_session=True,  # Ctrl-C reaches us, not torchrun
+                             preexec_fn=_die_with_parent)  # SIGKILL of `lodger run` takes torchrun along
+
+    def forward(signum, frame) -> None:
+        ranks = _children(child.pid)
+        for pid in ranks:  # only rank 0's answer counts; it broadcasts it to the others
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        if not ranks and signum != signal.SIGUSR1:
+            os.killpg(child.pid, signal.SIGTERM)  # still starting: nothing to checkpoint yet
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, forward)
+    return child.wait()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(x) for x in fh.read().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def init(world_size: int, device: str) -> Ranks:
@@ -104,9 +141,10 @@ def init(world_size: int, device: str) -> Ranks:
 
 
 def _die_with_parent() -> None:
-    """torchrun starts each rank in its own session, so a SIGKILL of torchrun (or of `lodger run`,
-    which became torchrun) would leave the ranks training on as orphans. Ask the kernel to SIGKILL
-    this rank when its parent dies: the whole group goes down together, like a power cut."""
+    """torchrun starts each rank in its own session (and the supervisor starts torchrun in one), so
+    a SIGKILL of `lodger run` would leave torchrun and the ranks training on as orphans. Ask the
+    kernel to SIGKILL this process when its parent dies: the whole tree goes down together, like a
+    power cut."""
     import ctypes
     import signal
 
@@ -171,3 +209,7 @@ def rank_seed(seed: int, rank: int) -> int:
     import numpy as np
 
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64)[0] % 2**63)
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Data-parallel training: two ranks through torchrun on the CPU (gloo on 127.0.0.1).
 
 An uninterrupted two-process run is the baseline here; the same job killed like a power cut (a
-SIGKILL of `lodger run`, which became torchrun; its ranks die with it) and resumed ends bitwise
+SIGKILL of `lodger run`; torchrun and the ranks die with it) and resumed ends bitwise
 equal to it; resuming with another number of processes is refused before anything starts.
 """
 
@@ -47,40 +47,40 @@ def ddp_baseline(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> dic
             "evals": eval_losses(folder), "adapter": final_adapter_bytes(folder)}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(x) for x in fh.read().split()]
-    except OSError:
-        return []
+def _workers_of(run_id: str) -> list[int]:
+    """Live processes training ``run_id`` (torchrun and its ranks: their command lines name it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"_worker" in argv and run_id.encode() in argv and state != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 @pytest.fixture(scope="module")
 def _killed_ddp(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> tuple[Path, str, list[str]]:
-    """The two-rank job, SIGKILLed (launcher and, through it, both ranks) once step 4 is committed."""
+    """The two-rank job, SIGKILLed (`lodger run` and, through it, torchrun and both ranks) once step 4 is committed."""
     home = tmp_path_factory.mktemp("ddp_killed_home")
     env = lodger_env(home)
     proc = start_lodger(["run", ddp_job, "--quiet"], env, log_dir=home.parent / "ddp_killed_logs")
     try:
         run_id = proc.run_id()
         folder = run_dir_of(run_id, env)
-        ranks = wait_until(lambda: len(_children(proc.proc.pid)) == WORLD and _children(proc.proc.pid), 120,
-                           proc.proc, what="torchrun's two ranks", output=proc)
         wait_until(lambda: ckpt(4) in checkpoint_dirs(folder), 120, proc.proc, what="checkpoint step 4",
                    output=proc)
-        proc.kill(signal.SIGKILL)  # the torchrun process (`lodger run` exec'd it)
+        tree = _workers_of(run_id)
+        proc.kill(signal.SIGKILL)  # `lodger run`, which became the rank supervisor
+        assert len(tree) == 2 + WORLD, f"supervisor, torchrun and two ranks expected: {tree}"
         assert killed_by_sigkill(proc.wait()), describe(proc)
-        # Each rank asked the kernel to die with its parent: nothing trains on as an orphan.
-        wait_until(lambda: not any(_alive(pid) for pid in ranks), 60, what="both ranks to die with torchrun")
-        assert not is_locked(folder)
+        # torchrun and each rank asked the kernel to die with their parent: nothing trains on as an orphan.
+        wait_until(lambda: not _workers_of(run_id), 60, what="both ranks to die with torchrun")
+        wait_until(lambda: not is_locked(folder), 60, what="the run lock to be free")
     finally:
         proc.close()
     committed = checkpoint_dirs(folder)
@@ -149,3 +149,26 @@ def test_resume_with_another_world_size_is_refused_and_changes_nothing(killed_dd
     assert after["run"]["status"] == before["run"]["status"]
     assert len(after["events"]) == len(before["events"]), "a refused resume records nothing"
     assert not os.path.exists(folder / "adapter")
+
+
+def test_sigterm_stops_both_ranks_at_one_checkpoint_and_resume_is_bitwise_equal(ddp_job, ddp_baseline, tmp_path):
+    proc = start_lodger(["run", ddp_job, "--quiet"], log_dir=tmp_path)
+    try:
+        run_id = proc.run_id()
+        folder = run_dir_of(run_id)
+        wait_until(lambda: ckpt(4) in checkpoint_dirs(folder), 120, proc.proc, what="checkpoint step 4",
+                   output=proc)
+        proc.kill(signal.SIGTERM)
+        assert proc.wait() == 0, describe(proc)  # like one process: a checkpoint, then exit 0
+    finally:
+        proc.close()
+    info = show(run_id)
+    assert info["run"]["status"] == "interrupted", info["run"]
+    stopped = info["run"]["step"]
+    assert 4 <= stopped < TOTAL_STEPS
+    assert checkpoint_dirs(folder)[-1] == ckpt(stopped), "both ranks stopped at the step rank 0 chose, saved"
+    assert not _workers_of(run_id)
+    result = run_lodger(["resume", run_id, "--quiet"])
+    assert result.returncode == 0, describe(result)
+    assert train_records(folder) == ddp_baseline["records"]
+    assert final_adapter_bytes(folder) == ddp_baseline["adapter"]
