@@ -33,7 +33,8 @@ def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 
     while time.monotonic() < deadline:
         state = run_state(folder)
         # With world_size > 1 the worker becomes the rank supervisor; rank 0, its grandchild, answers.
-        if _descends_from(state.get("pid"), process.pid) and state.get("state") in ("running", "held", "finished", "paused"):
+        answered = state.get("state") in ("running", "held", "finished", "paused")
+        if answered and _descends_from(state.get("pid"), process.pid):
             return
         code = process.poll()
         if code is not None:
