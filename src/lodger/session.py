@@ -94,6 +94,11 @@ def pick_device(job: JobConfig) -> str:
     if wanted == "cuda" and not torch.cuda.is_available():
         raise JobFileError("[training] device = \"cuda\": no CUDA device here; use \"auto\" or \"cpu\"")
     device = "cuda" if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()) else "cpu"
+    world = job.training.world_size
+    if device == "cuda" and world > torch.cuda.device_count():
+        raise JobFileError(f"[training] world_size = {world}: data-parallel training takes one GPU per process and "
+                           f"this machine has {torch.cuda.device_count()}; lower world_size, or use "
+                           "device = \"cpu\"")
     if job.training.precision == "fp16" and device != "cuda":
         raise JobFileError("[training] precision = \"fp16\" needs a GPU (loss scaling is a GPU feature); "
                            "use \"bf16\" on the CPU")

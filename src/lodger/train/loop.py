@@ -99,11 +99,11 @@ def train(s: "Session") -> str:
             restore_rng(*rng_at_step_start)
             s.save_checkpoint(skip_if_exists=True)
             return "paused"
-        release = time_due = False
+        release = stop = time_due = False
         if world > 1:
+            # Ranks act only on what rank 0 said here: a signal arriving later waits for the next step,
+            # or one rank would checkpoint alone.
             loss_sum, (release, stop, time_due) = s.sync_step(params, loss_sum, last_save)
-            if stop and not s.control.stop:
-                s.control.request_stop("rank 0 asked to stop")
         precision.unscale(s.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         loss_value, norm_value = loss_sum.item(), grad_norm.item()  # one device sync per step
@@ -136,11 +136,12 @@ def train(s: "Session") -> str:
             s.record_eval(p.step, evaluate(s))
         if guard.state.bad_in_row:
             due = False  # never commit a state in the middle of a run of bad steps
-        if due or s.control.stop or release or p.step == s.total_steps:
+        stopping = bool(s.control.stop) if world == 1 else stop
+        if due or stopping or release or p.step == s.total_steps:
             s.save_checkpoint()
             last_save = time.monotonic()
         if release and p.step < s.total_steps:
             return "paused"
-        if s.control.stop and p.step < s.total_steps:
+        if stopping and p.step < s.total_steps:
             return "interrupted"
     return "finished"
