@@ -86,7 +86,9 @@ class TrainingConfig(_Section):
     results are bitwise comparable only at the same thread count."""
     world_size: Int = Field(1, ge=1, le=1024)
     """Training processes, data parallel through torchrun (gloo on CPU, nccl on GPU); each takes
-    `batch_size` examples per micro-batch. Resume exactly only with the same number."""
+    `batch_size` examples per micro-batch, so one optimizer step sees batch_size * grad_accum *
+    world_size examples. Each process uses `threads` threads. A run resumes only with the number
+    of processes that wrote its checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train: `auto` uses the GPU when there is one."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -396,7 +398,7 @@ def total_steps(job: JobConfig, n_train: int) -> int:
     """Optimizer steps the job will take, from `steps` or from `epochs` over ``n_train`` examples."""
     if job.training.steps is not None:
         return job.training.steps
-    per_step = job.training.batch_size * job.training.grad_accum
+    per_step = job.training.batch_size * job.training.grad_accum * job.training.world_size  # all ranks' examples
     return max(1, math.ceil(job.training.epochs * n_train / per_step))
 
 

@@ -134,6 +134,11 @@ class TokenizedSet:
     def tokens(self) -> int:
         return int(self.mask.sum())
 
+    def target_tokens(self, indices: list[int]) -> int:
+        """Positions with a label in these examples once collated: the mask without each first
+        token (nothing predicts it). Equals counting ``labels[:, 1:] != -100`` of any batching of them."""
+        return sum(int(self.mask[int(self.offsets[i]) + 1:int(self.offsets[i + 1])].sum()) for i in indices)
+
 
 def tokenize(data: DataFile, tokenizer, tokenizer_sha: str, max_length: int) -> TokenizedSet:
     """Tokenise a validated file, reusing the cache keyed by content, tokenizer and max length."""

@@ -12,11 +12,12 @@ from .errors import LodgerError
 from .home import run_dir
 
 
-def spawn_worker(run_id: str, *, fresh: bool) -> subprocess.Popen:
+def spawn_worker(run_id: str, *, fresh: bool, extra: list[str] | None = None) -> subprocess.Popen:
     """A new session (survives the terminal closing) that trains ``run_id``; output to worker.out."""
     folder = run_dir(run_id)
     log = open(folder / "worker.out", "ab")
     command = [sys.executable, "-m", "lodger.cli.main", "_worker", run_id] + (["--fresh"] if fresh else [])
+    command += list(extra or [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     try:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -31,7 +32,9 @@ def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = run_state(folder)
-        if state.get("pid") == process.pid and state.get("state") in ("running", "held", "finished", "paused"):
+        # With world_size > 1 the worker becomes the rank supervisor; rank 0, its grandchild, answers.
+        answered = state.get("state") in ("running", "held", "finished", "paused")
+        if answered and _descends_from(state.get("pid"), process.pid):
             return
         code = process.poll()
         if code is not None:
@@ -41,3 +44,18 @@ def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 
             raise LodgerError(f"the background run {run_id} exited with status {code}:\n{tail}")
         time.sleep(0.1)
     raise LodgerError(f"the background run {run_id} did not start within {timeout:.0f} s; see {folder}/worker.out")
+
+
+def _descends_from(pid: int | None, ancestor: int, depth: int = 3) -> bool:
+    """Whether ``pid`` is ``ancestor`` or its child, grandchild... (Linux /proc)."""
+    for _ in range(depth + 1):
+        if not pid or pid <= 1:
+            return False
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False

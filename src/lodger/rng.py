@@ -46,3 +46,20 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def to_json(tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> dict[str, Any]:
+    """``capture()``'s result as plain JSON (tensor states as base64 bytes): another rank's RNG file."""
+    import base64
+
+    encoded = {k: base64.b64encode(v.cpu().numpy().tobytes()).decode() for k, v in tensors.items()}
+    return {**state, "tensors": encoded}
+
+
+def from_json(data: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The inverse of ``to_json``: (tensors, json_state) for ``restore``."""
+    import base64
+
+    tensors = {k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8).clone()
+               for k, v in data["tensors"].items()}
+    return tensors, {k: v for k, v in data.items() if k != "tensors"}

@@ -20,7 +20,8 @@ from typing import Any
 from . import durable
 from .checkpoint import Checkpoint, CheckpointStore
 from .config import JobConfig, load_job, to_toml, total_steps
-from .control import Control, clear_request, write_request
+from .control import Control, ReleaseRequested, clear_request, write_request
+from .distributed import Ranks
 from .data import DataFile, Sampler, TokenizedSet, read_jsonl, split_indices, tokenize
 from .errors import JobFileError, LimitReached, PreflightError, RunStateError
 from .home import run_dir, runs_dir
@@ -95,6 +96,11 @@ def pick_device(job: JobConfig) -> str:
     if wanted == "cuda" and not torch.cuda.is_available():
         raise JobFileError("[training] device = \"cuda\": no CUDA device here; use \"auto\" or \"cpu\"")
     device = "cuda" if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()) else "cpu"
+    world = job.training.world_size
+    if device == "cuda" and world > torch.cuda.device_count():
+        raise JobFileError(f"[training] world_size = {world}: data-parallel training takes one GPU per process and "
+                           f"this machine has {torch.cuda.device_count()}; lower world_size, or use "
+                           "device = \"cpu\"")
     if job.training.precision == "fp16" and device != "cuda":
         raise JobFileError("[training] precision = \"fp16\" needs a GPU (loss scaling is a GPU feature); "
                            "use \"bf16\" on the CPU")
@@ -187,8 +193,8 @@ def new_run_id(name: str) -> str:
 class Session:
     """The live state of one process training one run, and how it records itself."""
 
-    def __init__(self, run_id: str, prepared: Prepared, ledger: Ledger, quiet: bool = False,
-                 control: Control | None = None):
+    def __init__(self, run_id: str, prepared: Prepared, ledger: Ledger | None, quiet: bool = False,
+                 control: Control | None = None, ranks: Ranks = Ranks()):
         import torch
 
         from .model import attach_method, load_base_model
@@ -199,6 +205,8 @@ class Session:
         self.job = prepared.job
         self.dir = run_dir(run_id)
         self.quiet = quiet
+        # Rank 0 is the run (ledger, metrics, log, checkpoints); other ranks have no ledger and write nothing.
+        self.rank, self.world_size = ranks.rank, ranks.world_size
         from .train.guard import Guard
         from .train.precision import Precision
 
@@ -214,12 +222,23 @@ class Session:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
         self.model = attach_method(base, self.job.method, self.job.training.seed).to(self.device)
+        if self.rank > 0:  # same weights on every rank (seeded above); then its own dropout stream
+            from .distributed import rank_seed
+
+            seed_everything(rank_seed(self.job.training.seed, self.rank))
         self.precision = Precision(self.job.training.precision, self.device)
         self.guard = Guard(self.job.guard)
         poison = os.environ.get("LODGER_TEST_POISON_LINES", "")
         self.poison_lines = {int(x) for x in poison.split(",") if x.strip()}
         self.optimizer = build_optimizer([q for q in self.model.parameters() if q.requires_grad], self.job.training)
-        self.store = CheckpointStore(self.dir / "checkpoints", self.job.checkpoints.keep_last)
+        checkpoints, keep = self.dir / "checkpoints", self.job.checkpoints.keep_last
+        self.store = CheckpointStore(checkpoints, keep, self.world_size) if self.rank == 0 else None
+        if self.world_size > 1:
+            from .distributed import barrier
+
+            barrier()  # rank 0 has created the checkpoints folder; the others may not race it
+            if self.rank > 0:
+                self.store = CheckpointStore(checkpoints, keep, self.world_size)
         self.train_set, self.eval_set = prepared.train_set, prepared.eval_set
         self.eval_indices = prepared.eval_indices
         self.sampler = Sampler(prepared.train_indices, self.job.training.seed)
@@ -275,7 +294,7 @@ class Session:
         """Too many bad steps in a row: back to the last good checkpoint, lower lr, skip the bad batches."""
         carried = self.guard.start_rollback()  # raises TrainingDiverged after too many rollbacks
         bad_from = self.progress.step
-        ckpt = self.store.latest_good()
+        ckpt = self.agreed_checkpoint()
         if ckpt is None:
             from .train.guard import TrainingDiverged
 
@@ -283,6 +302,8 @@ class Session:
                                    "checkpoint to roll back to; lower [training] learning_rate or check the data")
         self.restore(ckpt)
         self.guard.state = GuardState(**carried)
+        if self.rank > 0:
+            return
         self.truncate_metrics(ckpt.step)
         self.ledger.event(self.run_id, "rollback", from_step=bad_from, to_step=ckpt.step,
                           rollbacks=carried["rollbacks"], lr_scale=carried["lr_scale"],
@@ -290,20 +311,59 @@ class Session:
         self.reporter.message(f"rollback {carried['rollbacks']}: steps {carried['bad_steps']} were non-finite; back "
                               f"to step {ckpt.step}, learning rate x{carried['lr_scale']:g}, bad batches skipped")
 
+    # -- several ranks ------------------------------------------------------------------------
+    def sync_step(self, params, loss_sum, last_save: float):
+        """The step's one collective: sum gradients and loss over ranks, with rank 0's answer to its
+        control requests (release, stop, time-based checkpoint) riding along. A hold on rank 0 holds
+        every rank here, at the same place. Returns (global loss, (release, stop, save_due))."""
+        from .distributed import N_FLAGS, RELEASE, SAVE_DUE, STOP, reduce_step
+
+        flags = [0.0] * N_FLAGS
+        if self.rank == 0:
+            self.check_limits()
+            try:
+                self.control.checkpoint_boundary()
+            except ReleaseRequested:  # with several ranks a release finishes the step first
+                flags[RELEASE] = 1.0
+            flags[STOP] = float(self.control.stop is not None)
+            every = self.job.checkpoints.every_seconds
+            flags[SAVE_DUE] = float(every is not None and time.monotonic() - last_save >= every)
+        loss_sum, summed = reduce_step(params, loss_sum, flags)
+        return loss_sum, tuple(value > 0 for value in summed)
+
+    def agreed_checkpoint(self, on_damaged=None) -> Checkpoint | None:
+        """The newest good checkpoint, as rank 0 finds it (only rank 0 moves damaged ones aside)."""
+        if self.world_size == 1:
+            return self.store.latest_good(on_damaged=on_damaged)
+        from .distributed import broadcast_int
+
+        if self.rank == 0:
+            ckpt = self.store.latest_good(on_damaged=on_damaged)
+            broadcast_int(-1 if ckpt is None else ckpt.step)
+            return ckpt
+        step = broadcast_int(-1)
+        return None if step < 0 else self.store.load(self.store.root / f"step-{step:08d}")
+
     # -- restoring ---------------------------------------------------------------------------
     def restore(self, ckpt: Checkpoint) -> list[str]:
         """Load every piece of state from a verified checkpoint; return the drift found (if any)."""
         from safetensors.torch import load as load_tensors
 
+        from .distributed import refuse_other_world_size
         from .model import load_trainable_state
+        from .rng import from_json as rng_from_json
         from .rng import restore as restore_rng
         from .train.optim import load_optimizer
 
+        refuse_other_world_size(self.run_id, ckpt.manifest.get("world_size", 1), self.world_size)
         state = json.loads(ckpt.files["state.json"])
         weights = "adapter_model.safetensors" if self.job.method.kind == "lora" else "model.safetensors"
         load_trainable_state(self.model, self.job.method, load_tensors(ckpt.files[weights]))
         load_optimizer(self.optimizer, ckpt.files)
-        restore_rng(load_tensors(ckpt.files["rng.safetensors"]), state["rng"])
+        if self.rank == 0:
+            restore_rng(load_tensors(ckpt.files["rng.safetensors"]), state["rng"])
+        else:
+            restore_rng(*rng_from_json(json.loads(ckpt.files[f"rng-rank-{self.rank}.json"])))
         # In place: the loop holds references to these objects across a rollback.
         for key, value in state["progress"].items():
             setattr(self.progress, key, value)
@@ -314,6 +374,8 @@ class Session:
 
     # -- recording ---------------------------------------------------------------------------
     def _metrics_append(self, record: dict) -> None:
+        if self.rank > 0:
+            return
         with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
         self.pending.append(record)
@@ -341,6 +403,9 @@ class Session:
     def record_step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
                     skipped: bool, samples: list[int] | None) -> None:
         step = self.progress.step
+        self.control.step = step
+        if self.rank > 0:
+            return
         record = {"kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "tokens": tokens, "seconds": seconds, "time": time.time(), "segment": self.progress.segment}
         if skipped:
@@ -366,16 +431,29 @@ class Session:
 
     def save_checkpoint(self, skip_if_exists: bool = False) -> Path:
         existing = self.store.root / f"step-{self.progress.step:08d}"
-        if skip_if_exists and existing.is_dir():
+        if skip_if_exists and existing.is_dir():  # single-process release only: ranks never skip alone
             return existing
         from safetensors.torch import save as save_tensors
 
         from .model import adapter_files
         from .rng import capture
+        from .rng import to_json as rng_to_json
         from .train.optim import optimizer_files
 
         started = time.perf_counter()
         rng_tensors, rng_state = capture()
+        rank_files: dict[str, bytes] = {}
+        if self.world_size > 1:
+            # Every rank's RNG to rank 0 as JSON; weights and optimizer state are identical on all
+            # ranks (identical summed gradients), so rank 0's are saved once.
+            from .distributed import barrier, gather_rng
+
+            gathered = gather_rng(rng_to_json(rng_tensors, rng_state))
+            if self.rank > 0:
+                barrier()  # wait for rank 0's commit: no rank runs ahead of a checkpoint
+                return existing
+            rank_files = {f"rng-rank-{r}.json": json.dumps(gathered[r], sort_keys=True).encode()
+                          for r in range(1, self.world_size)}
         state = {
             "progress": asdict(self.progress),
             "rng": rng_state,
@@ -390,7 +468,7 @@ class Session:
         }
         files = {**adapter_files(self.model, self.job.method), **optimizer_files(self.optimizer),
                  "rng.safetensors": save_tensors(rng_tensors),
-                 "state.json": json.dumps(state, sort_keys=True).encode()}
+                 "state.json": json.dumps(state, sort_keys=True).encode(), **rank_files}
         path = self.store.save(self.progress.step, files)
         seconds = time.perf_counter() - started
         size = sum(f.stat().st_size for f in path.iterdir())
@@ -403,6 +481,10 @@ class Session:
         self.pending = []
         self.reporter.message(f"checkpoint step {self.progress.step} committed in {seconds:.2f} s "
                               f"({size / 2**20:.1f} MiB)")
+        if self.world_size > 1:
+            from .distributed import barrier
+
+            barrier()
         return path
 
     def write_adapter(self) -> Path:
@@ -445,6 +527,42 @@ class Session:
 
 def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = False) -> str:
     """Train a run in this process until it finishes or is interrupted; return the final status."""
+    from . import distributed as dist
+
+    folder = run_dir(run_id)
+    world = prepared.job.training.world_size
+    if resuming:  # refused before anything starts, not after N processes loaded the model
+        dist.refuse_other_world_size(run_id, dist.checkpoint_world_size(folder), world)
+    ranks = Ranks()
+    if world > 1:
+        if not dist.inside_launch():
+            dist.launch(run_id, world, prepared.job.training.threads, fresh=not resuming, quiet=quiet)
+        ranks = dist.init(world, prepared.device)
+        if ranks.rank > 0:
+            return _execute_quiet_rank(run_id, prepared, resuming=resuming, ranks=ranks)
+    return _execute(run_id, prepared, resuming=resuming, quiet=quiet, ranks=ranks)
+
+
+def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, ranks: Ranks) -> str:
+    """A rank other than 0: the same training, no lock, no ledger, no files; rank 0 speaks for the run."""
+    from .report import Reporter
+    from .train.loop import train
+
+    control = Control(None).install_signal_handlers()  # SIGTERM/Ctrl-C only; rank 0 broadcasts what counts
+    session = Session(run_id, prepared, None, quiet=True, control=control, ranks=ranks)
+    session.reporter = Reporter(Path(os.devnull), session.total_steps, 0, quiet=True)
+    if resuming:
+        ckpt = session.agreed_checkpoint()  # in step with rank 0's _resume_state
+        if ckpt is not None:
+            session.restore(ckpt)
+    status = train(session)
+    if status == "paused":  # as rank 0 does: give the memory back now
+        sys.stdout.flush()
+        os._exit(0)
+    return status
+
+
+def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ranks: Ranks) -> str:
     from .train.loop import train
 
     folder = run_dir(run_id)
@@ -456,7 +574,7 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
     lock = RunLock(folder)
     ledger = Ledger()
     try:
-        session = Session(run_id, prepared, ledger, quiet=quiet, control=control)
+        session = Session(run_id, prepared, ledger, quiet=quiet, control=control, ranks=ranks)
     except Exception as exc:  # e.g. out of memory while loading: recorded, not silently left "created"
         ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=0)
         ledger.close()
@@ -489,12 +607,14 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         lost = {"lost_after_step": session.resumed_from[1]} if resuming else {}
         ledger.set_status(run_id, "running", "resumed" if resuming else "started",
                           step=session.progress.step, segment=session.progress.segment, pid=os.getpid(),
-                          threads=session.job.training.threads, limits=session.applied_limits, **lost)
+                          threads=session.job.training.threads, limits=session.applied_limits, **lost,
+                          **({"world_size": ranks.world_size} if ranks.world_size > 1 else {}))
         session.control.announce("running")
         reporter.message(f"run {run_id}: {'resuming at' if resuming else 'starting at'} step "
                          f"{session.progress.step}/{session.total_steps} "
                          f"({len(prepared.train_indices)} train / {len(prepared.eval_indices)} eval examples, "
-                         f"{session.job.training.threads} threads)")
+                         f"{session.job.training.threads} threads"
+                         + (f" x {ranks.world_size} processes)" if ranks.world_size > 1 else ")"))
         status = train(session)
         compute = session.meter.read()
         if status == "finished":
@@ -587,7 +707,7 @@ def _resume_state(session: Session, run: dict) -> None:
         session.reporter.message(f"warning: checkpoint {path.name} is damaged ({reason}); moved aside to "
                                  f"{aside.name}, using the previous one")
 
-    ckpt = session.store.latest_good(on_damaged=damaged)
+    ckpt = session.agreed_checkpoint(on_damaged=damaged)
     if ckpt is None:
         session.reporter.message("no usable checkpoint: starting again from step 0")
         session.resumed_from = (0, session.truncate_metrics(-1))
@@ -616,9 +736,11 @@ def _write_provenance_json(folder: Path, segments: list[dict]) -> None:
                          json.dumps({"segments": segments}, indent=1, sort_keys=True, default=str).encode())
 
 
-def resume_prepared(run_id: str, threads: int | None = None) -> Prepared:
-    """Re-validate a run's recorded job for resuming (optionally at another thread count)."""
+def resume_prepared(run_id: str, threads: int | None = None, world_size: int | None = None) -> Prepared:
+    """Re-validate a run's recorded job for resuming (optionally at another thread count or world size)."""
     job = load_job(run_dir(run_id) / JOB_FILE)
     if threads is not None:
         job.training.threads = threads
+    if world_size is not None:
+        job.training.world_size = world_size
     return prepare(job)

@@ -141,11 +141,14 @@ def status(as_json: bool) -> None:
 @click.command(name="_worker", hidden=True)
 @click.argument("run_id")
 @click.option("--fresh", is_flag=True)
-def worker(run_id: str, fresh: bool) -> None:
-    """Train RUN in this (detached) process; used by --detach and the agent."""
+@click.option("--threads", type=click.IntRange(1, 1024))
+@click.option("--world-size", type=click.IntRange(1, 1024))
+@click.option("--quiet/--no-quiet", default=True)
+def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None, quiet: bool) -> None:
+    """Train RUN in this (detached) process, or as one rank under torchrun; used by --detach and the agent."""
     from ..session import execute, resume_prepared
 
-    execute(run_id, resume_prepared(run_id), resuming=not fresh, quiet=True)
+    execute(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet)
 
 
 COMMANDS = [pause, status, worker]

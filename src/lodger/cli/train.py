@@ -69,11 +69,11 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     execute(run_id, prepared, resuming=False, quiet=quiet)
 
 
-def _detach(run_id: str, fresh: bool) -> None:
+def _detach(run_id: str, fresh: bool, extra: list[str] | None = None) -> None:
     from ..home import run_dir
     from ..launch import spawn_worker, wait_until_running
 
-    process = spawn_worker(run_id, fresh=fresh)
+    process = spawn_worker(run_id, fresh=fresh, extra=extra)
     wait_until_running(run_id, process)
     click.echo(f"training in the background (pid {process.pid}); log: {run_dir(run_id) / 'log.txt'}")
 
@@ -82,14 +82,18 @@ def _detach(run_id: str, fresh: bool) -> None:
 @click.argument("run_id", metavar="RUN")
 @click.option("--threads", type=click.IntRange(1, 1024),
               help="Resume at another thread count (works, but is recorded as drift: no longer bitwise comparable).")
+@click.option("--world-size", type=click.IntRange(1, 1024),
+              help="Override [training] world_size (processes); refused when the checkpoint was written by "
+                   "another number of processes.")
 @click.option("--quiet", is_flag=True, help="Only errors on the terminal.")
 @click.option("--detach", is_flag=True, help="Continue in the background.")
-def resume(run_id: str, threads: int | None, quiet: bool, detach: bool) -> None:
+def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool, detach: bool) -> None:
     """Continue RUN: a held run where it stands, a stopped one from its newest good checkpoint.
 
     Damaged checkpoints are reported, moved aside and skipped. On the same machine, threads and
     library versions the result is bitwise identical to an uninterrupted run; otherwise lodger
-    warns and records the drift.
+    warns and records the drift. A data-parallel run resumes only with the number of processes
+    that wrote its checkpoint.
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
@@ -126,11 +130,12 @@ def resume(run_id: str, threads: int | None, quiet: bool, detach: bool) -> None:
             ledger.update_run(run["id"], managed=1)
     if detach:
         click.echo(f"run {run['id']}")
-        _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists())
+        extra = ([f"--threads={threads}"] if threads else []) + ([f"--world-size={world_size}"] if world_size else [])
+        _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(), extra=extra)
         return
     from ..session import execute, resume_prepared
 
-    prepared = resume_prepared(run["id"], threads)
+    prepared = resume_prepared(run["id"], threads, world_size)
     execute(run["id"], prepared, resuming=True, quiet=quiet)
 
 

@@ -3,6 +3,12 @@
 Per optimizer step: learning rate, the step's micro-batches from the sampler, forward and
 backward with the loss normalised over the whole step's target tokens, clip, finite check,
 update, log, eval when due, checkpoint when due or when asked to stop.
+
+With several ranks (``world_size > 1``, see distributed.py) each rank takes slots ``rank::world``
+of the step's global example order, the loss is normalised over the whole step's target tokens
+on every rank, and one all-reduce after the backward passes sums the gradients, the loss and
+rank 0's control flags: every rank then clips and steps on identical numbers. Control requests
+are answered at that one point per step, collectively, instead of at every micro-step.
 """
 
 from __future__ import annotations
@@ -64,8 +70,8 @@ def _hook_backward(output, control) -> None:
 @torch.no_grad()
 def evaluate(s: "Session") -> float | None:
     """Token-weighted mean loss on the held-out set (None when there is none)."""
-    if s.eval_set is None or not s.eval_indices:
-        return None
+    if s.eval_set is None or not s.eval_indices or s.rank != 0:
+        return None  # rank 0 evaluates alone; the others never wait for it (no collective inside)
     s.model.eval()
     total, count, size = 0.0, 0, s.job.training.batch_size
     for start in range(0, len(s.eval_indices), size):
@@ -82,29 +88,34 @@ def train(s: "Session") -> str:
     """Run from ``s.progress`` to the last step; return "finished", "interrupted" or "paused"."""
     cfg, p, guard, precision = s.job.training, s.progress, s.guard, s.precision
     micro, accum = cfg.batch_size, cfg.grad_accum
+    world, rank = s.world_size, s.rank
+    per_step = micro * accum * world  # examples drawn from the sampler per optimizer step, all ranks
     params = [q for q in s.model.parameters() if q.requires_grad]
     max_norm = cfg.max_grad_norm or math.inf  # 0 disables clipping; the norm is still measured
     s.model.train()
-    install_yield_points(s.model, s.control)
+    if world == 1:  # several ranks answer requests together, once per step (Session.sync_step)
+        install_yield_points(s.model, s.control)
     if p.step == 0 and not s.has_eval_at(0):
         s.record_eval(0, evaluate(s))
     last_save = time.monotonic()
     while p.step < s.total_steps:
         started = time.perf_counter()
-        p.position = guard.next_position(p.position, micro * accum)
+        p.position = guard.next_position(p.position, per_step)
         lr = lr_at(p.step, s.total_steps, cfg) * guard.state.lr_scale
         for group in s.optimizer.param_groups:
             group["lr"] = lr
-        ids = [s.sampler.at(p.position + k) for k in range(micro * accum)]
+        step_ids = [s.sampler.at(p.position + k) for k in range(per_step)]
+        ids = step_ids[rank::world]  # this rank's share; all of them when world == 1
         batches = [collate(s.train_set, ids[i * micro:(i + 1) * micro], s.pad_id) for i in range(accum)]
-        step_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        step_tokens = s.train_set.target_tokens(step_ids)  # of the whole step, every rank's examples
         loss_sum = torch.zeros((), dtype=torch.float32, device=s.device)
         rng_at_step_start = capture_rng()  # a few KB copied; lets a release drop this step exactly
         try:
             s.control.in_step = True  # a release now drops this step; in an eval it waits for the next
             for index, batch in enumerate(batches):
-                s.check_limits()
-                s.control.checkpoint_boundary()  # microseconds; where hold and release are answered
+                if world == 1:  # with several ranks, control is answered collectively below
+                    s.check_limits()
+                    s.control.checkpoint_boundary()  # microseconds; where hold and release are answered
                 with precision.autocast():
                     loss, _ = token_loss_sum(s.model, {k: v.to(s.device) for k, v in batch.items()})
                 loss = loss / step_tokens
@@ -121,6 +132,11 @@ def train(s: "Session") -> str:
             s.save_checkpoint(skip_if_exists=True)
             return "paused"
         s.control.in_step = False
+        release = stop = time_due = False
+        if world > 1:
+            # Ranks act only on what rank 0 said here: a signal arriving later waits for the next step,
+            # or one rank would checkpoint alone.
+            loss_sum, (release, stop, time_due) = s.sync_step(params, loss_sum, last_save)
         precision.unscale(s.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         loss_value, norm_value = loss_sum.item(), grad_norm.item()  # one device sync per step
@@ -131,12 +147,12 @@ def train(s: "Session") -> str:
         s.optimizer.zero_grad(set_to_none=True)
         verdict, zscore = guard.after_step(p.step + 1, p.position, loss_value, finite)
         p.step += 1
-        p.position += micro * accum
+        p.position += per_step
         p.tokens += step_tokens
         s.record_step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
                       seconds=time.perf_counter() - started, skipped=not finite or overflow,
-                      samples=None if finite else [int(s.train_set.lines[i]) for i in ids])
-        if verdict == "spike":
+                      samples=None if finite else [int(s.train_set.lines[i]) for i in step_ids])
+        if verdict == "spike" and rank == 0:
             s.ledger.event(s.run_id, "loss_spike", step=p.step, loss=loss_value, zscore=round(zscore, 2))
         if verdict == "rollback":
             s.rollback()
@@ -147,13 +163,18 @@ def train(s: "Session") -> str:
         ck = s.job.checkpoints
         due = (ck.every_steps and p.step % ck.every_steps == 0) or (
             ck.every_seconds is not None and time.monotonic() - last_save >= ck.every_seconds)
+        if world > 1:  # rank 0's clock decides, or the ranks would disagree about saving
+            due = (ck.every_steps and p.step % ck.every_steps == 0) or time_due
         if p.step == s.total_steps:
             s.record_eval(p.step, evaluate(s))
         if guard.state.bad_in_row:
             due = False  # never commit a state in the middle of a run of bad steps
-        if due or s.control.stop or p.step == s.total_steps:
+        stopping = bool(s.control.stop) if world == 1 else stop
+        if due or stopping or release or p.step == s.total_steps:
             s.save_checkpoint()
             last_save = time.monotonic()
-        if s.control.stop and p.step < s.total_steps:
+        if release and p.step < s.total_steps:
+            return "paused"
+        if stopping and p.step < s.total_steps:
             return "interrupted"
     return "finished"

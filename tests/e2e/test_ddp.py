@@ -1,0 +1,174 @@
+"""Data-parallel training: two ranks through torchrun on the CPU (gloo on 127.0.0.1).
+
+An uninterrupted two-process run is the baseline here; the same job killed like a power cut (a
+SIGKILL of `lodger run`; torchrun and the ranks die with it) and resumed ends bitwise
+equal to it; resuming with another number of processes is refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from helpers import (STANDARD_JOB, TOTAL_STEPS, checkpoint_dirs, describe, eval_losses, event_kinds,
+                     final_adapter_bytes, killed_by_sigkill, lodger_env, run_dir_of, run_lodger, show,
+                     stale_entries, start_lodger, train_records, wait_until, write_job)
+from lodger.runlock import is_locked
+
+WORLD = 2
+
+
+def ckpt(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def ddp_job(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, e2e_data) -> Path:
+    """The standard job (24 steps, checkpoint every 4, LoRA dropout) with two ranks of one thread each."""
+    return write_job(tmp_path_factory.mktemp("ddp_job") / "job.toml", model=tiny_model_dir,
+                     train=e2e_data["train"], eval=e2e_data["eval"], **STANDARD_JOB,
+                     extra={"training": {"world_size": WORLD}})
+
+
+@pytest.fixture(scope="module")
+def ddp_baseline(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> dict:
+    """One uninterrupted two-rank run, in its own home."""
+    env = lodger_env(tmp_path_factory.mktemp("ddp_baseline_home"))
+    result = run_lodger(["run", ddp_job, "--quiet"], env)
+    assert result.returncode == 0, describe(result)
+    run_id = result.stdout.splitlines()[0].split()[1]
+    folder = run_dir_of(run_id, env)
+    return {"env": env, "run_id": run_id, "dir": folder, "records": train_records(folder),
+            "evals": eval_losses(folder), "adapter": final_adapter_bytes(folder)}
+
+
+def _workers_of(run_id: str) -> list[int]:
+    """Live processes training ``run_id`` (torchrun and its ranks: their command lines name it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"_worker" in argv and run_id.encode() in argv and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def _killed_ddp(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> tuple[Path, str, list[str]]:
+    """The two-rank job, SIGKILLed (`lodger run` and, through it, torchrun and both ranks) once step 4 is committed."""
+    home = tmp_path_factory.mktemp("ddp_killed_home")
+    env = lodger_env(home)
+    proc = start_lodger(["run", ddp_job, "--quiet"], env, log_dir=home.parent / "ddp_killed_logs")
+    try:
+        run_id = proc.run_id()
+        folder = run_dir_of(run_id, env)
+        wait_until(lambda: ckpt(4) in checkpoint_dirs(folder), 120, proc.proc, what="checkpoint step 4",
+                   output=proc)
+        tree = _workers_of(run_id)
+        proc.kill(signal.SIGKILL)  # `lodger run`, which became the rank supervisor
+        assert len(tree) == 2 + WORLD, f"supervisor, torchrun and two ranks expected: {tree}"
+        assert killed_by_sigkill(proc.wait()), describe(proc)
+        # torchrun and each rank asked the kernel to die with their parent: nothing trains on as an orphan.
+        wait_until(lambda: not _workers_of(run_id), 60, what="both ranks to die with torchrun")
+        wait_until(lambda: not is_locked(folder), 60, what="the run lock to be free")
+    finally:
+        proc.close()
+    committed = checkpoint_dirs(folder)
+    assert committed and ckpt(TOTAL_STEPS) not in committed, f"killed too late to test anything: {committed}"
+    return home, run_id, committed
+
+
+@pytest.fixture
+def killed_ddp(_killed_ddp, lodger_home: Path) -> tuple[str, Path, list[str]]:
+    """(run id, run folder, committed checkpoints) of the killed run, copied into this test's home."""
+    src, run_id, committed = _killed_ddp
+    shutil.copytree(src, lodger_home, dirs_exist_ok=True)
+    return run_id, lodger_home / "runs" / run_id, committed
+
+
+def test_two_rank_run_trains_once_and_rank_0_commits_every_ranks_state(ddp_baseline):
+    folder = ddp_baseline["dir"]
+    assert [r["step"] for r in ddp_baseline["records"]] == list(range(1, TOTAL_STEPS + 1))
+    # the global batch is both ranks' examples: 2 x batch_size x grad_accum per step
+    log = (folder / "log.txt").read_text()
+    assert log.count(f"step 1/{TOTAL_STEPS} ") == 1, "only rank 0 writes the log"
+    assert "x 2 processes" in log
+    newest = folder / "checkpoints" / ckpt(TOTAL_STEPS)
+    manifest = json.loads((newest / "MANIFEST.json").read_text())
+    assert manifest["world_size"] == WORLD
+    assert {"rng.safetensors", "rng-rank-1.json", "state.json"} <= set(manifest["files"])
+    rank1 = json.loads((newest / "rng-rank-1.json").read_text())
+    assert set(rank1) >= {"python", "numpy", "tensors"} and "torch_cpu" in rank1["tensors"]
+    info = show(ddp_baseline["run_id"], ddp_baseline["env"])
+    assert info["run"]["status"] == "finished" and info["run"]["step"] == TOTAL_STEPS
+    started = next(e for e in info["events"] if e["kind"] == "started")
+    assert started["data"].get("world_size") == WORLD, started
+
+
+def test_power_cut_of_two_rank_run_then_resume_is_bitwise_equal(killed_ddp, ddp_baseline):
+    run_id, folder, committed = killed_ddp
+    result = run_lodger(["resume", run_id, "--quiet"])
+    assert result.returncode == 0, describe(result)
+    records = train_records(folder)
+    assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1)), \
+        f"metrics.jsonl must hold each step exactly once, in order: {[r['step'] for r in records]}"
+    for mine, theirs in zip(records, ddp_baseline["records"]):
+        assert mine == theirs, f"step {theirs['step']} differs from the uninterrupted two-rank run"
+    assert eval_losses(folder) == ddp_baseline["evals"]
+    assert final_adapter_bytes(folder) == ddp_baseline["adapter"], "final adapter bytes differ"
+    assert stale_entries(folder) == []
+    info = show(run_id)
+    assert info["run"]["status"] == "finished"
+    assert event_kinds(info).count("resumed") == 1
+
+
+@pytest.mark.parametrize("other", [1, 3])
+def test_resume_with_another_world_size_is_refused_and_changes_nothing(killed_ddp, other):
+    run_id, folder, committed = killed_ddp
+    before = show(run_id)
+    metrics = (folder / "metrics.jsonl").read_bytes()
+    result = run_lodger(["resume", run_id, "--world-size", str(other)])
+    assert result.returncode != 0, describe(result)
+    message = result.stderr
+    assert f"written by {WORLD} training process" in message and f"would use {other}" in message, message
+    assert f"--world-size {WORLD}" in message, "the error names the fix"
+    assert "Traceback" not in message
+    assert checkpoint_dirs(folder) == committed
+    assert (folder / "metrics.jsonl").read_bytes() == metrics
+    after = show(run_id)
+    assert after["run"]["status"] == before["run"]["status"]
+    assert len(after["events"]) == len(before["events"]), "a refused resume records nothing"
+    assert not os.path.exists(folder / "adapter")
+
+
+def test_sigterm_stops_both_ranks_at_one_checkpoint_and_resume_is_bitwise_equal(ddp_job, ddp_baseline, tmp_path):
+    proc = start_lodger(["run", ddp_job, "--quiet"], log_dir=tmp_path)
+    try:
+        run_id = proc.run_id()
+        folder = run_dir_of(run_id)
+        wait_until(lambda: ckpt(4) in checkpoint_dirs(folder), 120, proc.proc, what="checkpoint step 4",
+                   output=proc)
+        proc.kill(signal.SIGTERM)
+        assert proc.wait() == 0, describe(proc)  # like one process: a checkpoint, then exit 0
+    finally:
+        proc.close()
+    info = show(run_id)
+    assert info["run"]["status"] == "interrupted", info["run"]
+    stopped = info["run"]["step"]
+    assert 4 <= stopped < TOTAL_STEPS
+    assert checkpoint_dirs(folder)[-1] == ckpt(stopped), "both ranks stopped at the step rank 0 chose, saved"
+    assert not _workers_of(run_id)
+    result = run_lodger(["resume", run_id, "--quiet"])
+    assert result.returncode == 0, describe(result)
+    assert train_records(folder) == ddp_baseline["records"]
+    assert final_adapter_bytes(folder) == ddp_baseline["adapter"]
