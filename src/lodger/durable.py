@@ -12,6 +12,7 @@ fsync the folder. Two test hooks live here too:
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 from pathlib import Path
@@ -104,3 +105,22 @@ def atomic_write(path: Path, data: bytes) -> None:
     write_file(tmp, data)
     rename(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_folder(final: Path, files: dict, tmp_prefix: str = ".tmp-", replace: bool = False) -> Path:
+    """Make ``final`` hold exactly ``files`` (name -> bytes or chunks), appearing whole or not at
+    all: written into a hidden sibling, each file and the folder fsynced, renamed into place (an
+    older folder of that name removed first when ``replace``), the parent fsynced."""
+    final = Path(final)
+    if final.exists() and not replace:
+        raise FileExistsError(f"{final} already exists")
+    tmp = final.with_name(f"{tmp_prefix}{final.name}-{secrets.token_hex(3)}")
+    mkdir(tmp)
+    for name, data in files.items():
+        write_file(tmp / name, data)
+    fsync_dir(tmp)
+    if final.exists():
+        remove_tree(final)
+    rename(tmp, final)
+    fsync_dir(final.parent)
+    return final

@@ -24,7 +24,7 @@ from .control import Control, ReleaseRequested, clear_request, write_request
 from .distributed import Ranks
 from .data import DataFile, Sampler, TokenizedSet, read_jsonl, split_indices, tokenize
 from .errors import JobFileError, LimitReached, PreflightError, RunStateError
-from .home import run_dir, runs_dir
+from .home import run_dir
 from .train.guard import GuardState
 from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this module's API)
 from .ledger import Ledger
@@ -172,12 +172,7 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     memory = preflight(prepared, force)
     name = name or job.name or Path(job_path).stem
     run_id = run_id or new_run_id(name)
-    tmp = runs_dir() / f".tmp-{run_id}"
-    durable.mkdir(tmp)
-    durable.write_file(tmp / JOB_FILE, to_toml(job.resolved_dict()).encode())
-    durable.fsync_dir(tmp)
-    durable.rename(tmp, run_dir(run_id))
-    durable.fsync_dir(runs_dir())
+    durable.write_folder(run_dir(run_id), {JOB_FILE: to_toml(job.resolved_dict()).encode()})
     with Ledger() as ledger:
         ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
                           job_hash=_job_hash(job), job_toml=to_toml(job.resolved_dict()),
@@ -492,15 +487,7 @@ class Session:
         from .model import adapter_files
 
         final = self.dir / "adapter"
-        tmp = self.dir / f".adapter-tmp-{secrets.token_hex(3)}"
-        durable.mkdir(tmp)
-        for name, data in adapter_files(self.model, self.job.method).items():
-            durable.write_file(tmp / name, data)
-        durable.fsync_dir(tmp)
-        if final.exists():
-            durable.remove_tree(final)
-        durable.rename(tmp, final)
-        durable.fsync_dir(self.dir)
+        durable.write_folder(final, adapter_files(self.model, self.job.method), tmp_prefix=".adapter-tmp-", replace=True)
         return final
 
     def provenance(self) -> dict:

@@ -104,10 +104,12 @@ def _submit_job(info: dict, run_id: str, submission_id: str, job) -> None:
     env = {"LODGER_HOME": str(Path(info["dir"]) / "home"), REMOTE_ENV: "1",
            COST_ENV: repr(float(info["cost_per_gpu_hour"])),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    gpus = job.training.world_size if job.training.device == "cuda" else 0
+    # With world_size > 1 the worker runs torchrun itself (one node): it needs every rank's share.
+    world = job.training.world_size
+    gpus = world if job.training.device == "cuda" else 0
     try:
         client.submit_job(entrypoint=entrypoint, submission_id=submission_id, runtime_env={"env_vars": env},
-                          entrypoint_num_cpus=job.training.threads or 1, entrypoint_num_gpus=gpus or None,
+                          entrypoint_num_cpus=(job.training.threads or 1) * world, entrypoint_num_gpus=gpus or None,
                           metadata={"lodger_run": run_id})
     except Exception as exc:
         raise RemoteError(f"the Ray cluster at {info['address']} refused submission {submission_id}: {exc}") from None
@@ -123,7 +125,7 @@ def submit(plan) -> str:
     submitted. A refused submission leaves the run recorded as failed, with the reason.
     """
     from ..config import to_toml
-    from ..home import run_dir, runs_dir
+    from ..home import run_dir
     from ..ledger import Ledger
     from ..session import JOB_FILE, _job_hash, new_run_id
 
@@ -141,12 +143,7 @@ def submit(plan) -> str:
     info = {"address": target.address, "storage": str(storage), "dir": str(storage / run_id),
             "python": target.python or _local_python(), "cost_per_gpu_hour": target.cost_per_gpu_hour}
 
-    tmp = runs_dir() / f".tmp-{run_id}"
-    durable.mkdir(tmp)
-    durable.write_file(tmp / JOB_FILE, to_toml(job.resolved_dict()).encode())
-    durable.fsync_dir(tmp)
-    durable.rename(tmp, run_dir(run_id))
-    durable.fsync_dir(runs_dir())
+    durable.write_folder(run_dir(run_id), {JOB_FILE: to_toml(job.resolved_dict()).encode()})
     submission_id = f"{run_id}-s0"
     leaving = [{"role": f.role, "path": str(f.path), "size": f.size, "sha256": f.sha256} for f in plan.files]
     with Ledger() as ledger:

@@ -104,15 +104,7 @@ def _mirror_adapter(source: Path, target: Path) -> None:
     files = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
     if target.is_dir() and {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()} == files:
         return
-    tmp = target.parent / f".adapter-tmp-{secrets.token_hex(3)}"
-    durable.mkdir(tmp)
-    for name, data in files.items():
-        durable.write_file(tmp / name, data)
-    durable.fsync_dir(tmp)
-    if target.exists():
-        durable.remove_tree(target)
-    durable.rename(tmp, target)
-    durable.fsync_dir(target.parent)
+    durable.write_folder(target, files, tmp_prefix=".adapter-tmp-", replace=True)
 
 
 def _ingest_ledger(ledger, run: dict, copied: list[str]) -> None:
