@@ -198,6 +198,7 @@ class Agent:
         self.interval = interval
         self.max_concurrent = max_concurrent or int(settings.get("max_concurrent", 1))
         self.sampler = Sampler()
+        self.look_again_soon = False  # set by a tick that saw a load half-way to a limit
         self.clear_since: dict[str, float] = {}
         self.starting: dict[str, subprocess.Popen] = {}   # restarted runs, until their worker holds the lock
         self.queue_children: dict[int, subprocess.Popen] = {}  # queued jobs being started
@@ -241,6 +242,12 @@ class Agent:
         folder = run_dir(run["id"])
         mine = read_requests(folder).get("agent")
         reasons = violations(policy, measured) if policy.enabled else []
+        if (not reasons and mine is None and policy.enabled and policy.max_foreign_cpu is not None
+                and measured["foreign_cpu"] > policy.max_foreign_cpu / 2):
+            # A load that began part-way through this interval shows as part of itself: look
+            # again soon rather than a whole interval later (serve_forever), so the owner waits
+            # about one interval for the machine, not two.
+            self.look_again_soon = True
         if reasons and mine is None:
             write_request(folder, "agent", policy.yield_mode, "; ".join(reasons), measured=measured)
             self.ledger.event(run["id"], "policy", decision=policy.yield_mode, reasons=reasons, measured=measured)
@@ -293,8 +300,9 @@ class Agent:
     def serve_forever(self, stop_after: float | None = None) -> None:
         started = time.monotonic()
         while stop_after is None or time.monotonic() - started < stop_after:
+            self.look_again_soon = False
             self.tick()
-            time.sleep(self.interval)
+            time.sleep(self.interval / 4 if self.look_again_soon else self.interval)
 
 
 @functools.lru_cache(maxsize=256)

@@ -47,13 +47,15 @@ def _manifest_hash(manifest: dict) -> str:
 
 
 class _Hasher:
-    """sha256 of a file's chunks in a thread of its own, while the writer writes them: hashlib and
-    file writes both release the GIL, so on two cores the hash costs almost no wall time."""
+    """sha256 of a file's chunks in a thread of its own, while the writer writes them and the
+    files after it: hashlib and file writes both release the GIL. Hashing is the slower of the
+    two, so the writer never waits for it (the queue holds views of tensors that are alive
+    anyway, not copies), and each file's hash runs beside the next file's write and hash."""
 
     def __init__(self):
         self.digest = hashlib.sha256()
         self.size = 0
-        self.chunks: queue.Queue = queue.Queue(maxsize=8)  # views, not copies: bounded to bound nothing big
+        self.chunks: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -155,15 +157,15 @@ class CheckpointStore:
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".tmp-{step:08d}-{secrets.token_hex(4)}"
         durable.mkdir(tmp)
-        entries: dict[str, dict] = {}
-        for name, data in files.items():
-            hasher = _Hasher()
-            try:
-                durable.write_file(tmp / name, data, observe=hasher)
-            finally:
-                entries[name] = hasher.result()  # also stops the thread when the write failed
-            if name.endswith(".safetensors"):
-                durable.fault_point("after_tensors")
+        hashers: dict[str, _Hasher] = {}
+        try:
+            for name, data in files.items():
+                hashers[name] = _Hasher()
+                durable.write_file(tmp / name, data, observe=hashers[name])
+                if name.endswith(".safetensors"):
+                    durable.fault_point("after_tensors")
+        finally:
+            entries = {name: hasher.result() for name, hasher in hashers.items()}  # stops every thread
         durable.fault_point("before_manifest")
         manifest = {
             "format": 1,

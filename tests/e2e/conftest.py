@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fixtures_lib import write_chat_jsonl
-from helpers import (STANDARD_JOB, TOTAL_STEPS, describe, eval_losses, final_adapter_bytes, killed_by_sigkill,
+from helpers import (STANDARD_JOB, TOTAL_STEPS, WORLD, describe, eval_losses, final_adapter_bytes, killed_by_sigkill,
                      lodger_env, run_dir_of, run_lodger, train_losses, train_records, write_job)
 
 
@@ -58,6 +58,26 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, standard_job: Path) -> Ba
     assert [s for s, _ in losses] == list(range(1, TOTAL_STEPS + 1)), losses
     return Baseline(home, run_id, folder, losses, train_records(folder), eval_losses(folder),
                     final_adapter_bytes(folder))
+
+
+@pytest.fixture(scope="session")
+def ddp_job(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, e2e_data) -> Path:
+    """The standard job (24 steps, checkpoint every 4, LoRA dropout) with two ranks of one thread each."""
+    return write_job(tmp_path_factory.mktemp("ddp_job") / "job.toml", model=tiny_model_dir,
+                     train=e2e_data["train"], eval=e2e_data["eval"], **STANDARD_JOB,
+                     extra={"training": {"world_size": WORLD}})
+
+
+@pytest.fixture(scope="session")
+def ddp_baseline(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> dict:
+    """One uninterrupted two-rank run, in its own home."""
+    env = lodger_env(tmp_path_factory.mktemp("ddp_baseline_home"))
+    result = run_lodger(["run", ddp_job, "--quiet"], env)
+    assert result.returncode == 0, describe(result)
+    run_id = result.stdout.splitlines()[0].split()[1]
+    folder = run_dir_of(run_id, env)
+    return {"env": env, "run_id": run_id, "dir": folder, "records": train_records(folder),
+            "evals": eval_losses(folder), "adapter": final_adapter_bytes(folder)}
 
 
 KILLED_FAULT = "before_manifest@3"

@@ -28,6 +28,7 @@ LODGER = str(Path(sys.executable).with_name("lodger")) if Path(sys.executable).w
 STANDARD_JOB: dict[str, Any] = dict(steps=24, batch_size=4, grad_accum=2, every_steps=4, keep_last=2,
                                     threads=1, max_length=64, dropout=0.1, eval_every=8)
 TOTAL_STEPS = STANDARD_JOB["steps"]
+WORLD = 2  # ranks of the data-parallel runs (test_ddp.py, and under Ray in test_remote_ray.py)
 # Fields of a train record that must be bitwise equal between a resumed and an uninterrupted run.
 EXACT_FIELDS = ("step", "loss", "grad_norm", "lr", "tokens")
 

@@ -15,36 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (STANDARD_JOB, TOTAL_STEPS, checkpoint_dirs, describe, eval_losses, event_kinds,
+from helpers import (TOTAL_STEPS, WORLD, checkpoint_dirs, describe, eval_losses, event_kinds,
                      final_adapter_bytes, killed_by_sigkill, lodger_env, run_dir_of, run_lodger, show,
-                     stale_entries, start_lodger, train_records, wait_until, write_job)
+                     stale_entries, start_lodger, train_records, wait_until)
 from lodger.runlock import is_locked
 
-WORLD = 2
 
 
 def ckpt(step: int) -> str:
     return f"step-{step:08d}"
-
-
-@pytest.fixture(scope="module")
-def ddp_job(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, e2e_data) -> Path:
-    """The standard job (24 steps, checkpoint every 4, LoRA dropout) with two ranks of one thread each."""
-    return write_job(tmp_path_factory.mktemp("ddp_job") / "job.toml", model=tiny_model_dir,
-                     train=e2e_data["train"], eval=e2e_data["eval"], **STANDARD_JOB,
-                     extra={"training": {"world_size": WORLD}})
-
-
-@pytest.fixture(scope="module")
-def ddp_baseline(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> dict:
-    """One uninterrupted two-rank run, in its own home."""
-    env = lodger_env(tmp_path_factory.mktemp("ddp_baseline_home"))
-    result = run_lodger(["run", ddp_job, "--quiet"], env)
-    assert result.returncode == 0, describe(result)
-    run_id = result.stdout.splitlines()[0].split()[1]
-    folder = run_dir_of(run_id, env)
-    return {"env": env, "run_id": run_id, "dir": folder, "records": train_records(folder),
-            "evals": eval_losses(folder), "adapter": final_adapter_bytes(folder)}
 
 
 def _workers_of(run_id: str) -> list[int]:

@@ -50,7 +50,8 @@ def _processes_mentioning(text: str) -> list:
 
 @pytest.fixture(scope="module")
 def ray_head():
-    """A one-CPU Ray head with the dashboard (job API) on free ports; its own temp dir and storage."""
+    """A two-CPU Ray head (room for a two-rank job) with the job API on free ports, its own temp dir
+    and storage."""
     # Short temp dir: Ray's unix socket paths must stay under ~107 characters.
     temp = Path(tempfile.mkdtemp(prefix="lr-", dir="/tmp"))
     storage = temp / "storage"
@@ -62,7 +63,7 @@ def ray_head():
     started = subprocess.run(
         [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "true",
-         "--num-cpus", "1", "--temp-dir", str(temp / "ray"), "--disable-usage-stats"],
+         "--num-cpus", "2", "--temp-dir", str(temp / "ray"), "--disable-usage-stats"],
         env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=180)
     try:
         assert started.returncode == 0, describe(started)
@@ -269,3 +270,17 @@ def test_remote_pause_resume_and_cancel(ray_head, e2e_data, tiny_model_dir, lodg
     again = run_lodger(["resume", run_id], env)
     assert again.returncode != 0 and "cancelled" in again.stderr, describe(again)
     assert [r["step"] for r in read_metrics(remote) if r["kind"] == "train"][-1] < 2000
+
+
+def test_two_ranks_under_ray_end_bitwise_equal_to_two_ranks_here(ray_head, ddp_job, ddp_baseline, lodger_home,
+                                                                 tmp_path):
+    # world_size = 2 on the cluster: the Ray job's worker runs torchrun itself, as `lodger run` does here.
+    env = lodger_env(lodger_home, **RAY_ENV)
+    run_id = _submit_through_gate(ddp_job, ray_head, env, tmp_path)
+    info = _wait_synced(run_id, env, ("finished",))
+    local = run_dir_of(run_id, env)
+    assert info["checkpoints"][-1] == f"step-{TOTAL_STEPS:08d}", info
+    assert train_records(local) == ddp_baseline["records"]
+    assert final_adapter_bytes(local) == ddp_baseline["adapter"]
+    manifest = json.loads((local / "checkpoints" / info["checkpoints"][-1] / "MANIFEST.json").read_text())
+    assert manifest["world_size"] == 2 and "rng-rank-1.json" in manifest["files"]

@@ -231,6 +231,27 @@ def test_the_agent_waits_clear_seconds_before_letting_a_run_continue(lodger_home
             lock.release()
 
 
+def test_a_load_half_way_to_the_limit_makes_the_agent_look_again_within_a_quarter_interval(lodger_home: Path,
+                                                                                         usr1_count) -> None:
+    with Ledger() as ledger:
+        lock = _live_run(ledger, "unit-run", {"max_foreign_cpu": 0.5, "pause_on_battery": False})
+        try:
+            agent = Agent(ledger, interval=0.1)
+            agent.sampler = fake = FakeSampler()
+            for foreign, soon in ((0.2, False), (0.3, True), (0.1, False)):
+                fake.values = measured(foreign_cpu=foreign)
+                agent.look_again_soon = False
+                agent.tick()
+                assert agent.look_again_soon is soon, foreign
+            assert "agent" not in read_requests(run_dir("unit-run"))  # suspicion alone asks nothing
+            fake.values = measured(foreign_cpu=0.9)
+            agent.look_again_soon = False
+            agent.tick()
+            assert read_requests(run_dir("unit-run"))["agent"]["state"] == "hold" and not agent.look_again_soon
+        finally:
+            lock.release()
+
+
 # -- measuring: battery and CPU --------------------------------------------------------------------
 
 
