@@ -12,7 +12,7 @@ from ..errors import LodgerError, RunStateError
 
 @click.command()
 @click.argument("run_ids", metavar="[RUN]...", nargs=-1)
-@click.option("--hold", is_flag=True, help="Stop at the next micro-step and keep memory (no CPU) instead of "
+@click.option("--hold", is_flag=True, help="Stop at the next layer and keep memory (no CPU) instead of "
                                             "checkpointing and exiting.")
 @click.option("--all", "all_runs", is_flag=True, help="Every run that is training now.")
 @click.option("--no-wait", is_flag=True, help="Return at once instead of waiting until the machine is free.")
@@ -21,8 +21,9 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
     """Give the machine back: checkpoint at once and exit (default), or hold in memory (--hold).
 
     A release drops the current step's partial work, commits a checkpoint and exits, freeing all
-    memory; a hold stops at the next micro-step and sleeps. `lodger resume RUN` continues either
-    kind, and neither changes the result.
+    memory; a hold stops where it is (before the next transformer layer, forward or backward) and
+    sleeps. Both answer within one layer's compute. `lodger resume RUN` continues either kind, and
+    neither changes the result.
 
     Example: lodger pause my-job-20261129-101500-ab12 --hold
              lodger pause --all
