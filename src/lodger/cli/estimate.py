@@ -17,7 +17,7 @@ _NOTES = {
     "optimizer": "AdamW: two fp32 moments per trainable parameter",
     "activations": "{checkpointing}batch {batch} x {seq} tokens",
     "logits_and_loss": "logits, shifted copy and log-softmax over {vocab} tokens",
-    "checkpoint": "a checkpoint's files in memory while it is built (5 x trainable)",
+    "checkpoint": "extra memory while a checkpoint is written (streamed from the tensors: none)",
     "buffers": "tokenizer, attention mask, kernels' scratch",
     "allocator": "memory the allocator keeps after freeing it",
     "autocast_copies": "{precision} copy of every linear weight",
