@@ -134,22 +134,26 @@ def preflight(prepared: Prepared, force: bool = False) -> dict:
     runtime = None if prepared.device == "cuda" else runtime_bytes(threads=job.training.threads, use_current=False)
     est = estimate(job, config, seq_len=min(longest, job.data.max_length), device=prepared.device,
                    runtime_bytes=runtime)
+    # Data-parallel ranks on the CPU share this machine's memory; on GPUs each has its own device.
+    ranks = 1 if prepared.device == "cuda" else job.training.world_size
     if prepared.device == "cuda":
         import torch
 
         available, what = torch.cuda.mem_get_info()[0], "free GPU memory"
     else:
         available, what = memory_available(), "available memory"
-    if job.limits.memory_gb and job.limits.memory_gb * 2**30 < available:
-        available, what = int(job.limits.memory_gb * 2**30), "[limits] memory_gb"
+    needed = est.total_bytes * ranks
+    if job.limits.memory_gb and job.limits.memory_gb * 2**30 * ranks < available:  # the ceiling is per process
+        available, what = int(job.limits.memory_gb * 2**30) * ranks, "[limits] memory_gb"
     summary = {"total_bytes": est.total_bytes, "largest": est.largest, "items": est.items,
-               "available_bytes": available, "device": prepared.device, "forced": False}
-    if est.total_bytes > available:
+               "available_bytes": available, "device": prepared.device, "forced": False, "processes": ranks}
+    if needed > available:
         if not force:
             gib = 2**30
-            fixes = "\n".join(f"  - {fix}" for fix in suggestions(est, job, available))
+            fixes = "\n".join(f"  - {fix}" for fix in suggestions(est, job, available // ranks))
+            each = f" ({ranks} processes of {est.total_bytes / gib:.2f} GiB)" if ranks > 1 else ""
             raise PreflightError(
-                f"this job needs an estimated {est.total_bytes / gib:.2f} GiB at its peak, more than the "
+                f"this job needs an estimated {needed / gib:.2f} GiB at its peak{each}, more than the "
                 f"{available / gib:.2f} GiB of {what}; the largest item is {est.largest} "
                 f"({est.items[est.largest] / gib:.2f} GiB). What would make it fit:\n{fixes}\n"
                 "(`lodger estimate JOB` shows the breakdown; `--force` runs it anyway and records that)")

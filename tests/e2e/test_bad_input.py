@@ -127,3 +127,21 @@ def test_unknown_target_module_fails_before_a_run_exists(tmp_path, lodger_home, 
     job = write_job(tmp_path / "job.toml", **job_args, extra={"method": {"target_modules": ["nope_proj"]}})
     err = run_bad(job, lodger_home).stderr
     assert "[method] target_modules" in err and "nope_proj" in err
+
+
+# -- memory: refused before anything is written (pre-flight) --------------------------------------
+
+def test_a_job_over_its_memory_ceiling_is_refused_with_the_largest_item_and_what_would_fit(tmp_path, lodger_home,
+                                                                                           job_args):
+    job = write_job(tmp_path / "job.toml", **job_args, extra={"limits": {"memory_gb": 0.05}})
+    result = run_bad(job, lodger_home)
+    assert result.returncode == 2
+    err = result.stderr
+    assert "needs an estimated" in err and "[limits] memory_gb" in err and "0.05 GiB" in err
+    assert "the largest item is" in err and "What would make it fit" in err and "--force" in err
+
+
+def test_data_parallel_ranks_on_the_cpu_count_once_each_against_available_memory(tmp_path, lodger_home, job_args):
+    job = write_job(tmp_path / "job.toml", **job_args, extra={"training": {"world_size": 1024}})
+    err = run_bad(job, lodger_home).stderr
+    assert "1024 processes of" in err and "available memory" in err
