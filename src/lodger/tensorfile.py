@@ -7,9 +7,9 @@ several times the trainable weights in extra memory and two extra passes over th
 checkpoint writer copies each byte once, into the page cache, while another thread hashes the
 same chunks.
 
-The bytes are identical to ``safetensors.torch.save(tensors, metadata)`` (a unit test holds us to
-it), so the files load with any safetensors reader and a checkpoint's hashes do not depend on
-how it was written. Layout: u64 little-endian header length; the JSON header (compact, spaces up
+The bytes are identical to ``safetensors.torch.save(tensors, metadata)`` with no or one metadata
+key, as lodger writes them (a unit test holds us to it), so the files load with any safetensors
+reader and a checkpoint's hashes do not depend on how it was written. Layout: u64 little-endian header length; the JSON header (compact, spaces up
 to a multiple of 8); the tensors' bytes, ordered as the Rust serializer orders them: by dtype,
 larger alignment first, then by name.
 """
@@ -43,7 +43,9 @@ class TensorFile:
         def rank(item):
             return -_DTYPES[str(item[1].dtype).removeprefix("torch.")][1], item[0]
 
-        header: dict = {"__metadata__": self.metadata} if self.metadata else {}
+        # Metadata keys sorted: safetensors' own order (a hash map's) varies between processes
+        # when there are several; with one key, as lodger writes, the bytes are the same as its.
+        header: dict = {"__metadata__": dict(sorted(self.metadata.items()))} if self.metadata else {}
         offset, pieces = 0, []
         for name, tensor in sorted(self.tensors.items(), key=rank):
             # On the CPU and contiguous (a no-op for parameters and optimizer state on the CPU);

@@ -31,10 +31,13 @@ if TYPE_CHECKING:
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross entropy over positions with a label, and how many there were."""
+    """Summed next-token cross entropy over positions with a label, and how many there were.
+
+    The labels move left instead of the logits (the last position predicts nothing): slicing the
+    logits would copy them, the largest tensor of the step (batch x length x vocabulary)."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
                            ignore_index=-100, reduction="sum")
     return loss, int((labels != -100).sum())
 
