@@ -9,8 +9,8 @@ Peak resident memory (CPU) is the sum of these items (``Estimate.items``, bytes)
   models (transformers 5, torch 2.13, SDPA on CPU, which keeps q, k and v repeated to every
   head, the output and a float copy of the padding mask); see ``_layer_bytes``. With gradient
   checkpointing: each layer's input plus one recomputed layer.
-* logits_and_loss: ``token_loss_sum`` holds the logits and their log-softmax at once: 8 bytes per
-  token and vocabulary entry (SmolLM2: 49,152 entries).
+* logits_and_loss: ``token_loss_sum`` and its backward pass hold the logits, their log-softmax and
+  the logits' gradient at once: 12 bytes per token and vocabulary entry (SmolLM2: 49,152 entries).
 * autocast_copies (bf16/fp16): autocast casts every linear weight once per step and keeps the
   copy until the backward pass, half the fp32 weights; on CPU this can outweigh what
   half-precision activations save (SmolLM2 LoRA, seq 128, measured: bf16 1.70 GiB, fp32 1.50).
@@ -201,8 +201,9 @@ def activation_parts(shape: Shape, tokens: int, seq: int, method, *, half: bool,
 
 
 def logits_bytes(shape: Shape, batch: int, seq: int) -> float:
-    """Peak of ``token_loss_sum``: the logits and their log-softmax (the labels shift, not the logits)."""
-    return 8 * batch * seq * shape.vocab
+    """Peak of ``token_loss_sum`` and its backward pass: the logits, their log-softmax and the
+    logits' gradient (fp32), 12 bytes per token and vocabulary entry (measured)."""
+    return 12 * batch * seq * shape.vocab
 
 
 # -- the estimate -----------------------------------------------------------------------------

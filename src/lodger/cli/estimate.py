@@ -16,7 +16,7 @@ _NOTES = {
     "gradients": "{trainable} trainable parameters, fp32",
     "optimizer": "AdamW: two fp32 moments per trainable parameter",
     "activations": "{checkpointing}batch {batch} x {seq} tokens",
-    "logits_and_loss": "logits and their log-softmax over {vocab} tokens",
+    "logits_and_loss": "logits, their log-softmax and gradient over {vocab} tokens",
     "checkpoint": "extra memory while a checkpoint is written (streamed from the tensors: none)",
     "buffers": "tokenizer, attention mask, kernels' scratch",
     "allocator": "memory the allocator keeps after freeing it",
