@@ -220,3 +220,45 @@ def run_script_child(script: str, flag: str, steps: int) -> ChildResult:
     result.extra = json.loads(out.read_text())
     out.unlink()
     return result
+
+
+# -- the two training benchmarks' shared harness ------------------------------------------------
+def side_by_side_args(doc: str, child_flag: str):
+    """Options of a lodger-vs-X training benchmark; the hidden ``child_flag`` and --out run X's side.
+
+    With ``child_flag`` given, the caller runs its child and returns; otherwise --quick is applied."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--every", type=int, default=50, help="lodger checkpoint interval (steps)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating the order")
+    parser.add_argument("--quick", action="store_true", help="20 steps, checkpoints every 10")
+    parser.add_argument(child_flag, dest="child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    use_bench_home()
+    if args.quick and not args.child:
+        args.steps, args.every = 20, 10
+    return args
+
+
+def prepared_job(steps: int, every: int, name: str) -> tuple[Path, dict]:
+    """The benchmark job in a fresh folder under the bench home, its caches warmed (untimed)."""
+    import tempfile
+
+    jobs = Path(tempfile.mkdtemp(prefix="jobs-", dir=bench_home()))
+    job = write_job(jobs, steps, every_steps=every, name=name)
+    return job, warm_caches(job)
+
+
+def alternate(job: Path, script: str, child_flag: str, other: str, args, report) -> dict[str, list[ChildResult]]:
+    """``lodger run JOB`` and ``script child_flag`` (side ``other``), ``args.repeats`` times each, who
+    goes first alternating; ``report(side, result)`` sees each result as it comes."""
+    runs: dict[str, list[ChildResult]] = {"lodger": [], other: []}
+    for rep in range(args.repeats):
+        for side in ((other, "lodger") if rep % 2 == 0 else ("lodger", other)):
+            result = run_lodger(job) if side == "lodger" else run_script_child(script, child_flag, args.steps)
+            report(side, result)
+            runs[side].append(result)
+    return runs

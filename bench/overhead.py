@@ -19,7 +19,6 @@ per-step loss difference.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -78,36 +77,21 @@ def plain_child(steps: int, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--every", type=int, default=50, help="lodger checkpoint interval (steps)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating the order")
-    parser.add_argument("--quick", action="store_true", help="20 steps, checkpoints every 10")
-    parser.add_argument("--child-plain", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child_plain:
-        common.use_bench_home()
+    args = common.side_by_side_args(__doc__, "--child-plain")
+    if args.child:
         plain_child(args.steps, args.out)
         return
-    if args.quick:
-        args.steps, args.every = 20, 10
-
-    common.use_bench_home()
-    jobs = Path(tempfile.mkdtemp(prefix="jobs-", dir=common.bench_home()))
-    job = common.write_job(jobs, args.steps, every_steps=args.every, name="overhead")
-    warm = common.warm_caches(job)
+    job, warm = common.prepared_job(args.steps, args.every, "overhead")
     print(f"# {args.steps} steps, batch {common.BATCH} x {common.MAX_LENGTH}, {common.THREADS} threads, "
           f"lodger checkpoints every {args.every}; caches ready ({warm['seconds']:.1f} s, untimed); "
           f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
-    runs: dict[str, list[common.ChildResult]] = {"lodger": [], "plain": []}
-    for rep in range(args.repeats):
-        for side in (("plain", "lodger") if rep % 2 == 0 else ("lodger", "plain")):
-            result = common.run_lodger(job) if side == "lodger" else common.run_script_child(__file__, "--child-plain", args.steps)
-            runs[side].append(result)
-            print(f"# {side}: wall {result.wall:.1f} s, cpu {result.cpu:.1f} s, loop "
-                  f"{common.loop_span(result.extra['ends'], result.extra['seconds']):.1f} s, "
-                  f"peak rss {common.gib(result.peak_rss)}, load {os.getloadavg()[0]:.2f}", flush=True)
+
+    def report(side, result):
+        print(f"# {side}: wall {result.wall:.1f} s, cpu {result.cpu:.1f} s, loop "
+              f"{common.loop_span(result.extra['ends'], result.extra['seconds']):.1f} s, "
+              f"peak rss {common.gib(result.peak_rss)}, load {os.getloadavg()[0]:.2f}", flush=True)
+
+    runs = common.alternate(job, __file__, "--child-plain", "plain", args, report)
 
     lw = common.median([r.wall for r in runs["lodger"]])
     pw = common.median([r.wall for r in runs["plain"]])

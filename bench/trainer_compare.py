@@ -18,7 +18,6 @@ loading and the first (warm-up) step are left out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -88,36 +87,21 @@ def trainer_child(steps: int, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--every", type=int, default=50, help="lodger checkpoint interval (steps)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating the order")
-    parser.add_argument("--quick", action="store_true", help="20 steps, checkpoints every 10")
-    parser.add_argument("--child-trainer", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child_trainer:
-        common.use_bench_home()
+    args = common.side_by_side_args(__doc__, "--child-trainer")
+    if args.child:
         trainer_child(args.steps, args.out)
         return
-    if args.quick:
-        args.steps, args.every = 20, 10
-
-    common.use_bench_home()
-    jobs = Path(tempfile.mkdtemp(prefix="jobs-", dir=common.bench_home()))
-    job = common.write_job(jobs, args.steps, every_steps=args.every, name="vs-trainer")
-    warm = common.warm_caches(job)
+    job, warm = common.prepared_job(args.steps, args.every, "vs-trainer")
     print(f"# {args.steps} steps, batch {common.BATCH} x {common.MAX_LENGTH}, {common.THREADS} threads, "
           f"lodger checkpoints every {args.every}, Trainer saves nothing; caches ready "
           f"({warm['seconds']:.1f} s, untimed); load average at start {os.getloadavg()[0]:.2f}", flush=True)
-    runs: dict[str, list[common.ChildResult]] = {"lodger": [], "trainer": []}
-    for rep in range(args.repeats):
-        for side in (("trainer", "lodger") if rep % 2 == 0 else ("lodger", "trainer")):
-            result = common.run_lodger(job) if side == "lodger" else common.run_script_child(__file__, "--child-trainer", args.steps)
-            result.extra["sps"] = common.steady_steps_per_s(result.extra["ends"])
-            runs[side].append(result)
-            print(f"# {side}: {result.extra['sps']:.3f} steps/s, wall {result.wall:.1f} s, cpu {result.cpu:.1f} s, "
-                  f"peak rss {common.gib(result.peak_rss)}, load {os.getloadavg()[0]:.2f}", flush=True)
+
+    def report(side, result):
+        result.extra["sps"] = common.steady_steps_per_s(result.extra["ends"])
+        print(f"# {side}: {result.extra['sps']:.3f} steps/s, wall {result.wall:.1f} s, cpu {result.cpu:.1f} s, "
+              f"peak rss {common.gib(result.peak_rss)}, load {os.getloadavg()[0]:.2f}", flush=True)
+
+    runs = common.alternate(job, __file__, "--child-trainer", "trainer", args, report)
 
     ls = common.median([r.extra["sps"] for r in runs["lodger"]])
     ts = common.median([r.extra["sps"] for r in runs["trainer"]])

@@ -97,7 +97,7 @@ def _plan(job_path: Path, head: dict):
     """What the gate hands over once it approved a job: the validated job, the target, the files."""
     from lodger.checkpoint import hash_file
     from lodger.config import load_job
-    from lodger.remote import LeavingFile, Plan
+    from lodger.gate import LeavingFile, Plan
     from lodger.targets import Target
 
     job = load_job(job_path)

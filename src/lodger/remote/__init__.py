@@ -26,7 +26,6 @@ from pathlib import Path
 
 from .. import durable
 from ..errors import LodgerError, RunStateError
-from ..gate import LeavingFile, Plan  # noqa: F401 (what an approved submission carries)
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
