@@ -99,6 +99,15 @@ class Ledger:
         with self.transaction():
             return self._append_event(run_id, kind, data)
 
+    def head(self) -> dict:
+        """The chain's newest row as {"seq", "hash", "time"} ({"seq": 0, "hash": GENESIS} when empty).
+
+        This is what exports and submissions carry, and what a witness file records."""
+        row = self.db.execute("SELECT seq, hash, time FROM events ORDER BY seq DESC LIMIT 1").fetchone()
+        if row is None:
+            return {"seq": 0, "hash": GENESIS, "time": None}
+        return {"seq": row["seq"], "hash": row["hash"], "time": row["time"]}
+
     def transaction(self):
         return _Transaction(self.db)
 
