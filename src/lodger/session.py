@@ -509,7 +509,12 @@ class Session:
             if use.role in data:
                 data[use.role].update(use.provenance())
         model = {"source": p.source.spec, "kind": p.source.kind, "path": str(p.source.path),
-                 "sha256": p.source.sha256, "tokenizer_sha256": p.tokenizer_sha}
+                 "sha256": p.source.sha256, "tokenizer_sha256": p.tokenizer_sha, **p.source.provenance()}
+        if getattr(self.job.method, "init_adapter", None) is not None:
+            from .model import adapter_hash
+
+            model["init_adapter"] = {"path": str(self.job.method.init_adapter),
+                                     "sha256": adapter_hash(self.job.method.init_adapter)}
         return prov.capture(job=self.job.resolved_dict(), job_hash=_job_hash(self.job),
                             job_dir=Path(os.getcwd()), model=model, data=data,
                             seeds={"seed": self.job.training.seed}, device=self.device,

@@ -1,9 +1,8 @@
-"""Commands about a finished record: compare, reproduce, export."""
+"""Commands about a finished record: compare, reproduce (export is in cli/export.py)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import click
@@ -131,70 +130,4 @@ def reproduce(run_id: str, quiet: bool) -> None:
         raise SystemExit(1)
 
 
-@click.command(name="export")
-@click.argument("run_id", metavar="RUN")
-@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
-def export(run_id: str, dest: Path) -> None:
-    """Put RUN's adapter, resolved job, provenance, metrics and a model card in DEST.
-
-    Example: lodger export my-job-20261129-101500-ab12 ./my-adapter
-    """
-    from ..compare import final_weights, total_compute
-    from ..home import run_dir
-    from ..ledger import Ledger
-
-    if dest.exists() and any(dest.iterdir()):
-        raise LodgerError(f"{dest} exists and is not empty; choose a new folder")
-    with Ledger() as ledger:
-        run = ledger.find_run(run_id)
-        events = ledger.events(run["id"])
-        provenance = ledger.provenance(run["id"])
-        evals = ledger.metrics(run["id"], "eval")
-    folder = run_dir(run["id"])
-    weights = final_weights(run["id"])
-    if weights is None:
-        raise RunStateError(f"run {run['id']} has no trainable weights yet (no checkpoint committed)")
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in ("adapter_model.safetensors", "adapter_config.json", "model.safetensors"):
-        if (weights.parent / name).is_file():
-            shutil.copyfile(weights.parent / name, tmp / name)
-    for name in ("job.toml", "provenance.json", "metrics.jsonl"):
-        if (folder / name).is_file():
-            shutil.copyfile(folder / name, tmp / name)
-    (tmp / "events.json").write_text(json.dumps(events, indent=1, default=str))
-    (tmp / "README.md").write_text(_model_card(run, provenance, evals, total_compute(events), weights))
-    if dest.exists():
-        dest.rmdir()
-    tmp.rename(dest)
-    click.echo(f"exported {run['id']} to {dest}")
-
-
-def _model_card(run: dict, provenance: list[dict], evals: list[dict], compute: dict, weights: Path) -> str:
-    first = provenance[0] if provenance else {}
-    model, data = first.get("model", {}), first.get("data", {})
-    ev = f"{evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f}" if evals else "n/a"
-    load = ("from peft import PeftModel\nmodel = PeftModel.from_pretrained(base_model, \"THIS_FOLDER\")"
-            if run["method"] == "lora" else "weights: model.safetensors (all trainable weights)")
-    return f"""# {run['id']}
-
-Fine-tuned with lodger {first.get('lodger_version', '?')} ({run['method']}), status **{run['status']}**,
-{run['step']}/{run['total_steps']} optimizer steps (from `{weights.parent.name}`).
-
-- Base model: `{model.get('source')}` (sha256 `{model.get('sha256')}`, tokenizer sha256 `{model.get('tokenizer_sha256')}`)
-- Training data: `{data.get('train', {}).get('path')}` (sha256 `{data.get('train', {}).get('sha256')}`,
-  {data.get('train', {}).get('lines')} lines); eval set sha256 `{data.get('eval_set_sha256')}`
-- Eval loss (first -> last): {ev}
-- Compute: {compute['wall_seconds']:.0f} s wall, {compute['cpu_seconds']:.0f} s CPU over {len(provenance)} segment(s)
-- Code: git `{first.get('code', {}).get('commit')}`{' (uncommitted changes)' if first.get('code', {}).get('dirty') else ''}
-
-The full record is in `job.toml`, `provenance.json`, `metrics.jsonl` and `events.json`.
-
-```python
-{load}
-```
-"""
-
-
-COMMANDS = [compare, reproduce, export]
+COMMANDS = [compare, reproduce]

@@ -41,9 +41,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import agent, compare, control, data, demo, estimate, remote, remote_runs, runs, serve, train
+    from . import agent, compare, control, data, demo, estimate, export, remote, remote_runs, runs, serve, train
 
-    for module in (train, estimate, control, agent, runs, compare, serve, demo, data, remote, remote_runs):
+    for module in (train, estimate, control, agent, runs, compare, export, serve, demo, data, remote, remote_runs):
         for command in module.COMMANDS:
             cli.add_command(command)
 

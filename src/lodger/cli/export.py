@@ -1,0 +1,43 @@
+"""`lodger export`: a run's result as a peft adapter, a merged transformers folder or a GGUF file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+OUTTYPES = ("f32", "f16", "q8_0")  # lodger.export.gguf.OUTTYPES, repeated so --help imports no torch
+
+
+@click.command(name="export")
+@click.argument("run_id", metavar="RUN")
+@click.argument("dest", metavar="DIR", type=click.Path(path_type=Path))
+@click.option("--format", "formats", multiple=True, metavar="FORMAT",
+              help="peft (default for LoRA runs), merged or gguf; repeat it or separate with commas for several "
+                   "(each then gets its own subfolder of DIR).")
+@click.option("--outtype", type=click.Choice(OUTTYPES), default="f16", show_default=True,
+              help="Number format of the GGUF file's matrices (vectors stay f32).")
+def export(run_id: str, dest: Path, formats: tuple[str, ...], outtype: str) -> None:
+    """Put RUN's result in the new folder DIR, loadable without lodger.
+
+    \b
+    peft    the adapter, its base named as on the hub, the tokenizer and chat template
+    merged  the adapter merged into the base: a plain transformers folder
+    gguf    the merged model as one GGUF file for llama.cpp / LM Studio, plus an Ollama Modelfile
+
+    Every export also holds the resolved job, provenance, metrics, events, a model card (README.md:
+    what the weights were trained against, how to load them) and MANIFEST.json (every file's sha256
+    and the ledger's chain head). DIR must not exist or be empty; it appears only when complete.
+
+    \b
+    Example: lodger export my-job-20261129-101500-ab12 ./my-adapter
+    Example: lodger export my-job-20261129-101500-ab12 ./out --format peft,merged,gguf --outtype q8_0
+    """
+    from ..export import export_run, parse_formats
+
+    chosen = parse_formats(formats)
+    manifest = export_run(run_id, dest, chosen or None, outtype, say=lambda line: click.echo(f"  {line}"))
+    click.echo(f"exported {manifest['run']} ({', '.join(manifest['formats'])}) to {dest}")
+
+
+COMMANDS = [export]
