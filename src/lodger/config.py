@@ -329,54 +329,16 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
     source_path = Path(job.model.source).expanduser()
     if not source_path.is_absolute() and (base_dir / source_path).exists():
         job.model.source = str((base_dir / source_path).resolve())
-    elif job.model.revision and "@" not in job.model.source:
+    elif job.model.revision and "@" not in job.model.source and "/" in job.model.source:
         job.model.source = f"{job.model.source}@{job.model.revision}"  # every reader of `source` sees it
     if job.method.init_adapter is not None:
-        problems = _apply_init_adapter(job.method, base_dir)
+        from .model import apply_init_adapter
+
+        problems = apply_init_adapter(job.method, base_dir)
         if problems:
             listed = "\n".join(f"  - {p}" for p in problems)
             raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}")
     return job
-
-
-def _apply_init_adapter(method: MethodConfig, base_dir: Path) -> list[str]:
-    """Take rank, alpha and targets from the adapter being continued; an explicit different value is
-    a problem (the adapter's weights have its shapes)."""
-    import json
-
-    path = method.init_adapter if method.init_adapter.is_absolute() else (base_dir / method.init_adapter)
-    path = path.expanduser().resolve()
-    key = f"[method] init_adapter = {str(method.init_adapter)!r}"
-    if method.kind != "lora":
-        return [f"{key}: continues a LoRA adapter, but [method] kind = {method.kind!r}; set kind = \"lora\""]
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file() or not (path / "adapter_model.safetensors").is_file():
-        return [f"{key}: {path} is not a peft adapter folder (needs adapter_config.json and "
-                "adapter_model.safetensors); point it at one, e.g. a run's `adapter` folder"]
-    try:
-        adapter = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        return [f"{key}: cannot read {config_file}: {exc}"]
-    problems = []
-    if adapter.get("peft_type", "LORA") != "LORA" or adapter.get("use_dora") or adapter.get("use_rslora"):
-        problems.append(f"{key}: only plain LoRA adapters can be continued (this one: peft_type "
-                        f"{adapter.get('peft_type')!r}, use_dora {adapter.get('use_dora')}, "
-                        f"use_rslora {adapter.get('use_rslora')})")
-    targets = adapter.get("target_modules")
-    if not isinstance(targets, list):
-        problems.append(f"{key}: its target_modules {targets!r} is not a list of layer names; lodger "
-                        "continues only adapters with named target modules")
-        targets = list(method.target_modules)
-    theirs = {"rank": adapter.get("r"), "alpha": float(adapter.get("lora_alpha", 0)), "target_modules": sorted(targets)}
-    for name, value in theirs.items():
-        ours = sorted(getattr(method, name)) if name == "target_modules" else getattr(method, name)
-        if name in method.model_fields_set and ours != value:
-            problems.append(f"[method] {name} = {getattr(method, name)!r} conflicts with the adapter in "
-                            f"{path} ({value!r}); remove `{name}` from [method] or make it {value!r}")
-    if not problems:
-        method.rank, method.alpha, method.target_modules = theirs["rank"], theirs["alpha"], targets
-        method.init_adapter = path
-    return problems
 
 
 def _read_toml(path: Path, what: str) -> dict[str, Any]:
@@ -481,7 +443,8 @@ def to_toml(data: dict[str, Any]) -> str:
 _COMMENTED_EXAMPLES: dict[str, Any] = {
     "epochs": 1.0, "every_seconds": 600.0, "eval": "eval.jsonl", "max_foreign_memory": 0.8,
     "max_foreign_gpu_memory": 0.5, "allowed_hours": "22:00-07:00", "memory_gb": 8.0,
-    "gpu_memory_fraction": 0.8, "max_compute_hours": 10.0, "eval_every": 50, "threads": 2, "steps": 100}
+    "gpu_memory_fraction": 0.8, "max_compute_hours": 10.0, "eval_every": 50, "threads": 2, "steps": 100,
+    "revision": "main", "init_adapter": "path/to/adapter"}
 
 
 def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl") -> str:

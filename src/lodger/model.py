@@ -329,3 +329,41 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
                              do_sample=False, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id, use_cache=True)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def apply_init_adapter(method, base_dir: Path) -> list[str]:
+    """Take rank, alpha and targets from the adapter being continued; an explicit different value is
+    a problem (the adapter's weights have its shapes)."""
+    path = method.init_adapter if method.init_adapter.is_absolute() else (base_dir / method.init_adapter)
+    path = path.expanduser().resolve()
+    key = f"[method] init_adapter = {str(method.init_adapter)!r}"
+    if method.kind != "lora":
+        return [f"{key}: continues a LoRA adapter, but [method] kind = {method.kind!r}; set kind = \"lora\""]
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file() or not (path / "adapter_model.safetensors").is_file():
+        return [f"{key}: {path} is not a peft adapter folder (needs adapter_config.json and "
+                "adapter_model.safetensors); point it at one, e.g. a run's `adapter` folder"]
+    try:
+        adapter = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{key}: cannot read {config_file}: {exc}"]
+    problems = []
+    if adapter.get("peft_type", "LORA") != "LORA" or adapter.get("use_dora") or adapter.get("use_rslora"):
+        problems.append(f"{key}: only plain LoRA adapters can be continued (this one: peft_type "
+                        f"{adapter.get('peft_type')!r}, use_dora {adapter.get('use_dora')}, "
+                        f"use_rslora {adapter.get('use_rslora')})")
+    targets = adapter.get("target_modules")
+    if not isinstance(targets, list):
+        problems.append(f"{key}: its target_modules {targets!r} is not a list of layer names; lodger "
+                        "continues only adapters with named target modules")
+        targets = list(method.target_modules)
+    theirs = {"rank": adapter.get("r"), "alpha": float(adapter.get("lora_alpha", 0)), "target_modules": sorted(targets)}
+    for name, value in theirs.items():
+        ours = sorted(getattr(method, name)) if name == "target_modules" else getattr(method, name)
+        if name in method.model_fields_set and ours != value:
+            problems.append(f"[method] {name} = {getattr(method, name)!r} conflicts with the adapter in "
+                            f"{path} ({value!r}); remove `{name}` from [method] or make it {value!r}")
+    if not problems:
+        method.rank, method.alpha, method.target_modules = theirs["rank"], theirs["alpha"], targets
+        method.init_adapter = path
+    return problems
