@@ -114,7 +114,7 @@ def _load_sections(run: dict, base, parts: dict[str, str], gguf_info: dict | Non
                 "### Ollama\n",
                 f"```\ncd {parts['gguf']} && ollama create {run['name']} -f Modelfile && ollama run {run['name']}\n```\n",
                 "LM Studio: import the `.gguf` file.\n"]
-    missing = [f for f in ("peft", "merged", "gguf") if f not in done]
+    missing = [f for f in ("peft", "merged", "gguf") if f not in done and (f != "peft" or run["method"] == "lora")]
     if missing:
         out += ["### Other formats\n",
                 "Not in this export: " + ", ".join(f"`{f}`" for f in missing) + f". Make them with "
