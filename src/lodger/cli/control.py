@@ -116,7 +116,7 @@ def status(as_json: bool) -> None:
         if any(r.get("target") for r in runs):
             from ..remote.sync import sync
 
-            runs = [sync(ledger, r) if r.get("target") else r for r in runs]  # storage only, no ray
+            runs = [_synced(ledger, r, sync) if r.get("target") else r for r in runs]  # storage only, no ray
         queue = ledger.queue()
     rows = []
     for run in runs:
@@ -142,6 +142,17 @@ def status(as_json: bool) -> None:
                    + (f"  on {r['target']}" if r["target"] else "") + (f"  [{extra}]" if extra else ""))
     for q in queue:
         click.echo(f"{'queued':<12} #{q['id']} {q['name']}  priority {q['priority']}")
+
+
+def _synced(ledger, run: dict, sync) -> dict:
+    """The run after a sync; as last recorded, with a warning, when its storage is refused."""
+    from ..remote import RemoteError
+
+    try:
+        return sync(ledger, run)
+    except RemoteError as exc:
+        click.echo(f"warning: {run['id']}: {exc}", err=True)
+        return run
 
 
 @click.command(name="_worker", hidden=True)
