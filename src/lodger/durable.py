@@ -72,7 +72,7 @@ def fsync_dir(path: Path) -> None:
 
 def mkdir(path: Path) -> None:
     """Create a folder; durable only once its parent is fsynced."""
-    path.mkdir()
+    path.mkdir(mode=0o700)  # owner-only, like everything lodger keeps (see home.py)
     _record("mkdir", path)
 
 
@@ -82,7 +82,7 @@ def write_file(path: Path, data, observe=None) -> None:
     ``data`` is bytes, or an iterable of buffers written in order (a file streamed from memory it
     does not copy); ``observe(chunk)``, when given, sees each buffer just before it is written."""
     chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    with open(path, "wb") as fh:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:  # owner-only
         _record("create", path)
         for chunk in chunks:
             if observe is not None:
