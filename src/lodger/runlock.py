@@ -3,8 +3,9 @@
 The lock file says which process took the lock, as JSON: ``{"pid": 1234, "start": "..."}``, the
 start being the process's start time (with the boot it belongs to). A pid alone names whichever
 process has that number now: the run's trainer, or, once it has died, any process of the owner's.
-So a process is signalled only when it still holds the lock *and* its start time is the recorded
-one (``holder``). Lock files that are empty, garbage or a bare pid (written by older lodger
+So a process is signalled only when it still holds the lock, its start time is the recorded one,
+and, where the kernel lists who took which lock (Linux /proc/locks), that list names it too
+(``holder``). Lock files that are empty, garbage or a bare pid (written by older lodger
 versions) name nobody lodger can trust: the run counts as not running, and nothing is signalled.
 """
 
@@ -90,7 +91,31 @@ def holder(folder: Path) -> int | None:
         return None
     if process_start(record["pid"]) != record["start"]:
         return None
+    takers = _lock_takers(Path(folder) / LOCK)
+    if takers is not None and record["pid"] not in takers:
+        return None  # the record names a live process, but another one took the lock
     return record["pid"]
+
+
+def _lock_takers(path: Path) -> set[int] | None:
+    """The pids that took a lock on ``path``, from the kernel's list (Linux /proc/locks); None where
+    there is no such list. A file anyone can write cannot name a process there."""
+    try:
+        st = path.stat()
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    takers = set()
+    for line in text.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line has "->" after the number
+        if len(fields) >= 6 and fields[1] != "->" and fields[5] == inode:
+            try:
+                takers.add(int(fields[4]))
+            except ValueError:
+                pass
+    return takers
 
 
 def process_start(pid: int) -> str | None:
