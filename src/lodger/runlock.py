@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 
 from .errors import RunStateError
@@ -27,9 +28,7 @@ class RunLock:
     def __init__(self, folder: Path):
         fd = os.open(Path(folder) / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         self.fh = os.fdopen(fd, "r+")
-        try:
-            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _take(fd):
             self.fh.close()
             pid = holder(folder)
             who = f"pid {pid}" if pid else "a process lodger cannot identify"
@@ -43,6 +42,20 @@ class RunLock:
 
     def release(self) -> None:
         self.fh.close()
+
+
+def _take(fd: int, patience: float = 1.0) -> bool:
+    """Take the lock; False if another process holds it. ``is_locked`` takes it for an instant to
+    look, so a refusal is believed only once it has lasted ``patience`` seconds."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)  # a poll inside a bounded wait: a look lasts microseconds
 
 
 def is_locked(folder: Path) -> bool:
