@@ -53,7 +53,7 @@ def tighten(root: Path) -> int:
             if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o077:
                 os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
             count += 1
-    os.chmod(root, stat.S_IMODE(root.stat().st_mode) & 0o700 | PRIVATE_DIR)
+    os.chmod(root, PRIVATE_DIR)
     return count
 
 
