@@ -162,7 +162,8 @@ def submit(plan) -> str:
             raise
         ledger.set_status(run_id, "submitted", "remote_submitted", target=plan.target_name,
                           address=target.address, submission_id=submission_id, storage=info["dir"],
-                          job_sha256=job_sha256, files=leaving, estimate=plan.estimate, cost=plan.cost, datasets=plan.datasets)
+                          job_sha256=job_sha256, files=leaving, estimate=plan.estimate, cost=plan.cost,
+                          datasets=plan.datasets)
     return run_id
 
 
