@@ -21,10 +21,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .control import clear_request, notify, read_requests, write_request
+from .control import ask, clear_request, read_requests
 from .home import home, run_dir
 from .ledger import Ledger
-from .runlock import is_locked, lock_pid
+from .runlock import holder, is_locked
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -211,19 +211,22 @@ class Agent:
 
     def tick(self) -> None:
         runs = self.ledger.runs()
-        live = {r["id"]: r for r in runs if is_locked(run_dir(r["id"]))}
+        holders = {r["id"]: holder(run_dir(r["id"])) for r in runs if is_locked(run_dir(r["id"]))}
+        # Locked, but not by the process the lock file names: lodger neither signals nor restarts it.
+        unverified = {run_id for run_id, pid in holders.items() if pid is None}
+        live = {r["id"]: r for r in runs if holders.get(r["id"])}
         for run_id, child in list(self.starting.items()):
-            if run_id in live or child.poll() is not None:
+            if run_id in holders or child.poll() is not None:
                 del self.starting[run_id]
         for queue_id, child in list(self.queue_children.items()):
             row = self.ledger.db.execute("SELECT run_id FROM queue WHERE id=?", (queue_id,)).fetchone()
-            if child.poll() is not None or (row and row["run_id"] in live):
+            if child.poll() is not None or (row and row["run_id"] in holders):
                 del self.queue_children[queue_id]
-        pids = {lock_pid(run_dir(r)) for r in live} - {None}
+        pids = set(holders.values()) - {None}
         pids |= {c.pid for c in [*self.starting.values(), *self.queue_children.values()] if c.poll() is None}
         measured = self.sampler.measure(pids, want_gpu=any(self._policy(r).max_foreign_gpu_memory for r in live.values()))
         for run in runs:
-            if run["id"] in self.starting:
+            if run["id"] in self.starting or run["id"] in unverified:
                 continue
             if run["id"] in live:
                 self._apply_policy(run, measured)
@@ -234,7 +237,7 @@ class Agent:
             elif run["status"] == "paused" and self._paused_by_agent(run["id"]):
                 if self._clear_for_long_enough(run, measured):
                     self._restart(run, "conditions clear: continuing the run it released", measured)
-        busy = len(live) + len(self.starting) + len(self.queue_children)
+        busy = len(holders) + len(self.starting) + len(self.queue_children)
         self._start_queued(busy, sum(self._threads(r["job_toml"]) for r in live.values()))
 
     def _apply_policy(self, run: dict, measured: dict) -> None:
@@ -249,15 +252,12 @@ class Agent:
             # about one interval for the machine, not two.
             self.look_again_soon = True
         if reasons and mine is None:
-            write_request(folder, "agent", policy.yield_mode, "; ".join(reasons), measured=measured)
-            self.ledger.event(run["id"], "policy", decision=policy.yield_mode, reasons=reasons, measured=measured)
-            notify(lock_pid(folder) or 0)
+            ask(folder, "agent", policy.yield_mode, "; ".join(reasons), measured=measured, ledger=self.ledger,
+                event={"kind": "policy", "decision": policy.yield_mode, "reasons": reasons, "measured": measured})
             self.clear_since.pop(run["id"], None)
         elif mine is not None and self._clear_for_long_enough(run, measured, reasons):
-            clear_request(folder, "agent")
-            self.ledger.event(run["id"], "policy", decision="continue", reasons=[f"clear for "
-                              f"{policy.clear_seconds:g} s"], measured=measured)
-            notify(lock_pid(folder) or 0)
+            ask(folder, "agent", None, ledger=self.ledger, event={"kind": "policy", "decision": "continue",
+                "reasons": [f"clear for {policy.clear_seconds:g} s"], "measured": measured})
 
     def _clear_for_long_enough(self, run: dict, measured: dict, reasons: list[str] | None = None) -> bool:
         policy = self._policy(run)

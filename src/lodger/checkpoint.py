@@ -122,9 +122,15 @@ class CheckpointStore:
         match = _STEP_DIR.match(path.name)
         if match and int(match.group(1)) != manifest.get("step"):
             raise CheckpointError(f"{path.name}: {MANIFEST} says step {manifest.get('step')!r}")
+        bad = [name for name in manifest["files"] if not durable.is_plain_name(name) or name == MANIFEST]
+        if bad:  # whoever wrote it could otherwise make a copy of this checkpoint land anywhere
+            raise CheckpointError(f"{path.name}: {MANIFEST} names {bad[0]!r}, which is not a plain file name "
+                                  "in the checkpoint's folder (damaged or forged)")
         files: dict[str, bytes] = {}
         for name, meta in manifest["files"].items():
             try:
+                if not (path / name).is_file():  # a FIFO or a folder would block or fail the read
+                    raise OSError
                 data = (path / name).read_bytes()
             except OSError:
                 raise CheckpointError(f"{path.name}/{name}: missing") from None

@@ -2,8 +2,9 @@
 
 Requests are small JSON files in ``runs/<run>/control/``, one per requester (``user``, ``agent``,
 ``serve``, ``limit``), so that one requester's "continue" never cancels another's "hold". The
-strongest request wins: release > hold > run. A requester writes its file, then sends SIGUSR1 so
-the run notices at once; the run answers in ``control/state.json`` and in the ledger.
+strongest request wins: release > hold > run. A requester asks through ``ask``: it writes its
+file, then SIGUSR1 goes to the process that took the run's lock (and to no other) so the run
+notices at once; the run answers in ``control/state.json`` and in the ledger.
 
 - release: abandon the current step (its gradients are dropped and the RNG put back as it was
   at the step's start), commit a checkpoint, exit. Frees all memory.
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import durable
+from .runlock import holder, process_start
 
 REQUESTERS = ("user", "agent", "serve", "limit")
 LAPSING = ("agent", "serve")  # their requests lapse when the process that made them is gone (a crash)
@@ -49,7 +51,7 @@ def write_request(run_folder: Path, requester: str, state: str, reason: str, **m
     folder.mkdir(exist_ok=True)
     body = {"state": state, "by": requester, "reason": reason, "time": time.time(), **measured}
     if requester in LAPSING:
-        body["pid"] = os.getpid()
+        body["pid"], body["start"] = os.getpid(), process_start(os.getpid())
     durable.atomic_write(folder / f"{requester}.json", json.dumps(body).encode())
 
 
@@ -64,22 +66,21 @@ def read_requests(run_folder: Path) -> dict[str, dict]:
             request = json.loads((control_dir(run_folder) / f"{requester}.json").read_text())
         except (OSError, ValueError):
             continue
-        if requester in LAPSING and not _alive(request.get("pid")):
+        if not isinstance(request, dict):
+            continue  # not a request lodger wrote
+        if requester in LAPSING and not _alive(request):
             continue  # a dead server or agent cannot let go of its hold: it lapses instead
         found[requester] = request
     return found
 
 
-def _alive(pid: int | None) -> bool:
-    if not pid:
+def _alive(request: dict) -> bool:
+    """Whether the process that wrote a lapsing request still runs (the same one, not a reused pid)."""
+    pid = request.get("pid")
+    if type(pid) is not int or pid <= 1:
         return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    start = process_start(pid)
+    return start is not None and request.get("start", start) == start
 
 
 def effective(requests: dict[str, dict]) -> dict:
@@ -99,12 +100,42 @@ def run_state(run_folder: Path) -> dict:
         return {}
 
 
-def notify(pid: int) -> bool:
-    """Wake a run so it reads its requests now; False if the process is gone."""
+def ask(run_folder: Path, requester: str, state: str | None, reason: str = "", *, ledger=None,
+        event: dict | None = None, **measured) -> int | None:
+    """Ask the run in ``run_folder`` to hold, release or run (``state``), or withdraw
+    ``requester``'s request (``state`` None); the one way anything asks a run to act.
+
+    Writes (or removes) the request file, records ``event`` ({"kind": ..., **fields}) in ``ledger``
+    when both are given, and wakes the process that trains the run. Returns the pid woken, or None
+    when no process verifiably trains it now (see ``runlock.holder``): then nothing is signalled,
+    and the request waits in its file for whichever process trains the run next."""
+    if state is None:
+        clear_request(run_folder, requester)
+    else:
+        write_request(run_folder, requester, state, reason, **measured)
+    if ledger is not None and event is not None:
+        fields = dict(event)
+        ledger.event(Path(run_folder).name, fields.pop("kind"), **fields)
+    return wake(run_folder)
+
+
+def wake(run_folder: Path) -> int | None:
+    """Send SIGUSR1 to the process that took the run's lock and still holds it, and to no other."""
+    pid = holder(run_folder)
+    return pid if pid is not None and notify(pid) else None
+
+
+def notify(pid: int | None) -> bool:
+    """SIGUSR1 to ``pid`` as given: False if it is gone or not ours. Never a group (pid 0 or below).
+
+    Only for a pid already known to be the run's (tests, ``wake``): a pid read from a lock file
+    may have been reused by any process of the owner's, which SIGUSR1 would kill; use ``wake``."""
+    if type(pid) is not int or pid <= 0:
+        return False
     try:
         os.kill(pid, signal.SIGUSR1)
         return True
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         return False
 
 

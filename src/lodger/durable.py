@@ -53,6 +53,13 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def is_plain_name(name) -> bool:
+    """Whether ``name`` (read from a manifest, storage or anything else outside) is one plain file
+    name: joined to a folder, it names an entry of that folder and nothing outside it."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and len(name.encode(errors="replace")) <= 255
+            and not any(c in name for c in ("/", "\\", "\0")))
+
+
 def fsync_dir(path: Path) -> None:
     """Make the entries of a folder (creations, renames, deletions) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -65,7 +72,7 @@ def fsync_dir(path: Path) -> None:
 
 def mkdir(path: Path) -> None:
     """Create a folder; durable only once its parent is fsynced."""
-    path.mkdir()
+    path.mkdir(mode=0o700)  # owner-only, like everything lodger keeps (see home.py)
     _record("mkdir", path)
 
 
@@ -75,7 +82,7 @@ def write_file(path: Path, data, observe=None) -> None:
     ``data`` is bytes, or an iterable of buffers written in order (a file streamed from memory it
     does not copy); ``observe(chunk)``, when given, sees each buffer just before it is written."""
     chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    with open(path, "wb") as fh:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:  # owner-only
         _record("create", path)
         for chunk in chunks:
             if observe is not None:
@@ -114,6 +121,9 @@ def write_folder(final: Path, files: dict, tmp_prefix: str = ".tmp-", replace: b
     final = Path(final)
     if final.exists() and not replace:
         raise FileExistsError(f"{final} already exists")
+    bad = [name for name in files if not is_plain_name(name)]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not a plain file name for {final}")
     tmp = final.with_name(f"{tmp_prefix}{final.name}-{secrets.token_hex(3)}")
     mkdir(tmp)
     for name, data in files.items():

@@ -1,22 +1,75 @@
-"""Where things live under $LODGER_HOME (default ~/.lodger). Nothing here imports torch."""
+"""Where things live under $LODGER_HOME (default ~/.lodger). Nothing here imports torch.
+
+Everything under the home is the owner's alone: tokenised training data (including data that may
+not leave the machine), the ledger, checkpoints, logs. Folders are 0700 and files 0600; a home
+found with looser modes (made by an older lodger, or by hand) is tightened once, with a notice.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
+import sys
 from pathlib import Path
+
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
+_private: set[Path] = set()  # homes this process has already checked
 
 
 def home() -> Path:
-    """The root of all lodger state; created on first use."""
+    """The root of all lodger state; created on first use, private to the owner."""
     root = Path(os.environ.get("LODGER_HOME") or Path.home() / ".lodger").expanduser()
-    root.mkdir(parents=True, exist_ok=True)
+    private_mkdir(root)
+    if root not in _private:
+        _make_private(root)
+        _private.add(root)
     return root
 
 
+def _make_private(root: Path) -> None:
+    """Tighten a home that other users can read or enter: it and everything in it, once."""
+    mode = stat.S_IMODE(root.stat().st_mode)
+    if not mode & 0o077:
+        return
+    try:
+        count = tighten(root)
+    except OSError as exc:  # e.g. a home owned by another account: say so, do not stop the command
+        print(f"lodger: warning: {root} is readable by other users (mode {mode:04o}) and could not be made "
+              f"private ({exc.strerror}); run `chmod -R go-rwx {root}`", file=sys.stderr)
+        return
+    print(f"lodger: {root} was readable by other users (mode {mode:04o}); made it and its {count} entries "
+          "owner-only (folders 0700, files 0600)", file=sys.stderr)
+
+
+def tighten(root: Path) -> int:
+    """Remove group and other permissions from ``root`` and everything under it (links are not
+    followed); return how many entries were below it."""
+    count = 0
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            st = os.lstat(path)
+            if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o077:
+                os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+            count += 1
+    os.chmod(root, PRIVATE_DIR)
+    return count
+
+
+def private_mkdir(path: Path) -> Path:
+    """``path`` as an owner-only folder; missing parents are made owner-only too."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+    return missing[0] if missing else path
+
+
 def runs_dir() -> Path:
-    path = home() / "runs"
-    path.mkdir(exist_ok=True)
-    return path
+    return private_mkdir(home() / "runs")
 
 
 def run_dir(run_id: str) -> Path:
@@ -24,11 +77,11 @@ def run_dir(run_id: str) -> Path:
 
 
 def ledger_path() -> Path:
+    """The ledger database. It is owner-only through the CLI's umask (and SQLite gives its -wal
+    and -shm files the database file's mode)."""
     return home() / "ledger.db"
 
 
 def cache_dir(kind: str) -> Path:
     """A cache folder (``models``, ``tokens``, ``hashes``); safe to delete at any time."""
-    path = home() / "cache" / kind
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_mkdir(home() / "cache" / kind)

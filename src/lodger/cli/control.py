@@ -10,6 +10,10 @@ import click
 from ..errors import LodgerError, RunStateError
 
 
+_UNVERIFIED = ("; its lock is held, but not by the process its lock file names (nothing was signalled): "
+               "if an older lodger trains it, wait for it to end")
+
+
 @click.command()
 @click.argument("run_ids", metavar="[RUN]...", nargs=-1)
 @click.option("--hold", is_flag=True, help="Stop at the next layer and keep memory (no CPU) instead of "
@@ -28,15 +32,15 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
     Example: lodger pause my-job-20261129-101500-ab12 --hold
              lodger pause --all
     """
-    from ..control import notify, run_state, write_request
+    from ..control import ask, run_state
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..runlock import is_locked, lock_pid
+    from ..runlock import holder, is_locked
 
     mode = "hold" if hold else "release"
     with Ledger() as ledger:
         if all_runs:
-            targets = [r for r in ledger.runs() if is_locked(run_dir(r["id"]))]
+            targets = [r for r in ledger.runs() if holder(run_dir(r["id"]))]
             if not targets:
                 click.echo("nothing is training")
                 return
@@ -54,17 +58,18 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
                     raise RunStateError(f"run {run['id']} is not training now (status {run['status']})")
                 folder = remote_run_dir(run)
                 folder.mkdir(parents=True, exist_ok=True)
-                write_request(folder, "user", mode, "lodger pause")
-                ledger.event(run["id"], "pause_requested", mode=mode, by="user", target=run["target"])
+                # Noticed by polling; signalled too if its process verifiably runs on this machine.
+                ask(folder, "user", mode, "lodger pause", ledger=ledger,
+                    event={"kind": "pause_requested", "mode": mode, "by": "user", "target": run["target"]})
                 waiting.append((run, folder, None, time.time()))
                 continue
             folder = run_dir(run["id"])
-            pid = lock_pid(folder)
-            if not is_locked(folder) or pid is None:
-                raise RunStateError(f"run {run['id']} is not training now (status {run['status']})")
-            write_request(folder, "user", mode, "lodger pause")
-            ledger.event(run["id"], "pause_requested", mode=mode, by="user")
-            notify(pid)
+            pid = holder(folder)
+            if pid is None:
+                raise RunStateError(f"run {run['id']} is not training now (status {run['status']})"
+                                    + (_UNVERIFIED if is_locked(folder) else ""))
+            ask(folder, "user", mode, "lodger pause", ledger=ledger,
+                event={"kind": "pause_requested", "mode": mode, "by": "user"})
             waiting.append((run, folder, pid, time.time()))
     if no_wait:
         click.echo(f"asked {len(waiting)} run(s) to {mode}")
@@ -111,7 +116,7 @@ def status(as_json: bool) -> None:
         if any(r.get("target") for r in runs):
             from ..remote.sync import sync
 
-            runs = [sync(ledger, r) if r.get("target") else r for r in runs]  # storage only, no ray
+            runs = [_synced(ledger, r, sync) if r.get("target") else r for r in runs]  # storage only, no ray
         queue = ledger.queue()
     rows = []
     for run in runs:
@@ -137,6 +142,17 @@ def status(as_json: bool) -> None:
                    + (f"  on {r['target']}" if r["target"] else "") + (f"  [{extra}]" if extra else ""))
     for q in queue:
         click.echo(f"{'queued':<12} #{q['id']} {q['name']}  priority {q['priority']}")
+
+
+def _synced(ledger, run: dict, sync) -> dict:
+    """The run after a sync; as last recorded, with a warning, when its storage is refused."""
+    from ..remote import RemoteError
+
+    try:
+        return sync(ledger, run)
+    except RemoteError as exc:
+        click.echo(f"warning: {run['id']}: {exc}", err=True)
+        return run
 
 
 @click.command(name="_worker", hidden=True)

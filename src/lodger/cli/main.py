@@ -35,6 +35,9 @@ def cli() -> None:
     lodger data add FILE ...       register a dataset and what it may do
     lodger submit JOB --target T   the gate to remote compute
     """
+    # Everything lodger creates is the owner's alone (tokenised data, ledger, checkpoints, logs);
+    # processes started from here (workers, ranks, the agent's children) inherit the umask.
+    os.umask(0o077)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # lodger never downloads
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -97,10 +97,10 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
-    from ..control import clear_request, notify, read_requests, run_state
+    from ..control import ask, clear_request, read_requests, run_state
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..runlock import is_locked, lock_pid
+    from ..runlock import holder, is_locked
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
@@ -112,15 +112,18 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
         folder = run_dir(run["id"])
         if run["status"] == "finished":
             raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger run`")
-        if is_locked(folder):
+        pid = holder(folder)
+        if pid is None and is_locked(folder):
+            raise RunStateError(f"run {run['id']} is not running as far as lodger can verify: its lock is held, "
+                                "but not by the process its lock file names, so nothing was signalled; if an "
+                                "older lodger version trains it, wait for that to end")
+        if pid is not None:
             requests = read_requests(folder)
             held = run_state(folder).get("state") == "held"  # e.g. by a server that died: its hold lapsed
             if not held and not any(r.get("state") != "run" for r in requests.values()):
                 raise RunStateError(f"run {run['id']} is training now; nothing to resume")
-            for requester in ("user", "agent"):
-                clear_request(folder, requester)
-            ledger.event(run["id"], "resume_requested", by="user")
-            notify(lock_pid(folder) or 0)
+            clear_request(folder, "agent")
+            ask(folder, "user", None, ledger=ledger, event={"kind": "resume_requested", "by": "user"})
             still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]
             click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
             return

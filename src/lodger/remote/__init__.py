@@ -19,9 +19,11 @@ is cheap (status, ls, show and pause must stay light).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import shutil
+import tomllib
 from pathlib import Path
 
 from .. import durable
@@ -138,9 +140,11 @@ def submit(plan) -> str:
         raise RemoteError("[training] threads: set it explicitly for a remote job (exactness depends on it)")
     name = job.name or Path(plan.job_path).stem
     run_id = new_run_id(name)
-    remote_job = _stage(plan, storage, run_id)
+    remote_job, job_sha256 = _stage(plan, storage, run_id)
+    # `lodger sync` and `lodger resume` refuse a job.toml in storage that no longer has this hash.
     info = {"address": target.address, "storage": str(storage), "dir": str(storage / run_id),
-            "python": target.python or _local_python(), "cost_per_gpu_hour": target.cost_per_gpu_hour}
+            "python": target.python or _local_python(), "cost_per_gpu_hour": target.cost_per_gpu_hour,
+            "job_sha256": job_sha256}
 
     durable.write_folder(run_dir(run_id), {JOB_FILE: to_toml(job.resolved_dict()).encode()})
     submission_id = f"{run_id}-s0"
@@ -158,7 +162,8 @@ def submit(plan) -> str:
             raise
         ledger.set_status(run_id, "submitted", "remote_submitted", target=plan.target_name,
                           address=target.address, submission_id=submission_id, storage=info["dir"],
-                          files=leaving, estimate=plan.estimate, cost=plan.cost, datasets=plan.datasets)
+                          job_sha256=job_sha256, files=leaving, estimate=plan.estimate, cost=plan.cost,
+                          datasets=plan.datasets)
     return run_id
 
 
@@ -182,7 +187,8 @@ def _total_steps(job) -> int:
 
 
 def _stage(plan, storage: Path, run_id: str):
-    """Copy what leaves into ``<storage>/<run_id>/`` and write the job that points at the copies."""
+    """Copy what leaves into ``<storage>/<run_id>/`` and write the job that points at the copies;
+    return that job and the sha256 of its job.toml."""
     from ..checkpoint import hash_file
     from ..config import to_toml
 
@@ -215,25 +221,26 @@ def _stage(plan, storage: Path, run_id: str):
             else:
                 shutil.copyfile(model, copy)
             job.model.source = str(final / "model" / model.name)
-        durable.write_file(tmp / "job.toml", to_toml(job.resolved_dict()).encode())
+        staged = to_toml(job.resolved_dict()).encode()
+        durable.write_file(tmp / "job.toml", staged)
         durable.fsync_dir(tmp)
         durable.rename(tmp, final)
         durable.fsync_dir(storage)
     except BaseException:
         durable.remove_tree(tmp)
         raise
-    return job
+    return job, hashlib.sha256(staged).hexdigest()
 
 
 # -- resume and cancel ------------------------------------------------------------------------
 def resume(ledger, run: dict) -> str:
     """Continue a remote run: a live one by clearing its pause requests, a stopped one by a new
     Ray submission that resumes from the newest good checkpoint in storage. Returns what happened."""
-    from ..config import load_job
+    from ..config import load_job, parse_job
     from ..control import clear_request
-    from .sync import sync
+    from .sync import staged_job, sync
 
-    run = sync(ledger, run)
+    run = sync(ledger, run)  # refuses a job.toml changed in storage since submission
     if run["status"] == "finished":
         raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger submit`")
     if run["status"] == "cancelled":
@@ -248,7 +255,10 @@ def resume(ledger, run: dict) -> str:
     info = remote_info(run)
     submissions = sum(1 for e in ledger.events(run["id"]) if e["kind"] == "remote_submitted")
     submission_id = f"{run['id']}-s{submissions}"
-    _submit_job(info, run["id"], submission_id, load_job(Path(info["dir"]) / "job.toml"))
+    path = Path(info["dir"]) / "job.toml"
+    staged = staged_job(run)  # checked again, and parsed from the very bytes checked
+    job = load_job(path) if staged is None else parse_job(tomllib.loads(staged.decode()), str(path), path.parent)
+    _submit_job(info, run["id"], submission_id, job)
     with ledger.transaction():
         ledger.update_run(run["id"], remote_job_id=submission_id)
         ledger.set_status(run["id"], "submitted", "remote_submitted", target=run["target"],

@@ -10,26 +10,33 @@ picked up next time.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import secrets
+import stat
+import tomllib
 from pathlib import Path
 
 from .. import durable
 from ..checkpoint import MANIFEST, CheckpointStore
 from ..errors import CheckpointError, RunNotFound
 from ..home import run_dir
-from . import remote_home, remote_run_dir
+from . import RemoteError, remote_home, remote_info, remote_run_dir
 
 STICKY = ("cancelled",)  # local decisions the remote side's later events do not overturn
 
 
 def sync(ledger, run: dict) -> dict:
-    """Copy what is new from storage into the local run and ledger; return the updated run row."""
+    """Copy what is new from storage into the local run and ledger; return the updated run row.
+
+    Raises RemoteError, and copies nothing, when the job in storage is not the one submitted."""
+    staged = staged_job(run)
     source, local = remote_run_dir(run), run_dir(run["id"])
     if not source.is_dir():
         return run  # the remote worker has not created its run yet
     local.mkdir(exist_ok=True)
-    keep = _keep_last(source)
+    keep = _keep_last(staged if staged is not None else _read(source / "job.toml"))
     copied = _sync_checkpoints(source / "checkpoints", local / "checkpoints", keep)
     for name in ("metrics.jsonl", "log.txt", "provenance.json"):
         _mirror_file(source / name, local / name)
@@ -38,13 +45,42 @@ def sync(ledger, run: dict) -> dict:
     return ledger.run(run["id"])
 
 
-def _keep_last(source: Path) -> int:
-    from ..config import load_job
+def staged_job(run: dict) -> bytes | None:
+    """The job.toml the run left with, read from storage and checked against the sha256 recorded
+    at submission; None for a run submitted before lodger recorded it (nothing to check against)."""
+    info = remote_info(run)
+    wanted = info.get("job_sha256")
+    if wanted is None:
+        return None
+    path = Path(info["dir"]) / "job.toml"
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise RemoteError(f"{path}: cannot read the job run {run['id']} was submitted with ({exc.strerror}); "
+                          "lodger copies nothing from this storage folder until it is back") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != wanted:
+        raise RemoteError(f"{path}: sha256 {got} is not the {wanted} recorded when run {run['id']} was submitted: "
+                          "the job was changed in storage, so lodger copies nothing from it and resubmits "
+                          "nothing; inspect the folder, then `lodger cancel` the run and submit the job again")
+    return data
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _keep_last(staged: bytes | None) -> int:
+    from ..config import CheckpointConfig
 
     try:
-        return load_job(source / "job.toml", use_user_defaults=False).checkpoints.keep_last
-    except Exception:  # noqa: BLE001 - a job we cannot read here keeps the default
-        return 3
+        table = tomllib.loads(staged.decode()).get("checkpoints", {})
+        return CheckpointConfig.model_validate(table).keep_last
+    except Exception:  # noqa: BLE001 - a job we cannot read keeps the default
+        return CheckpointConfig().keep_last
 
 
 def _sync_checkpoints(remote_root: Path, local_root: Path, keep_last: int) -> list[str]:
@@ -84,10 +120,22 @@ def _sync_checkpoints(remote_root: Path, local_root: Path, keep_last: int) -> li
     return copied
 
 
-def _mirror_file(source: Path, target: Path) -> None:
+def _read_regular(path: Path) -> bytes | None:
+    """A plain file's bytes from storage; None for anything else (a FIFO would block us, a symlink
+    would copy whatever it points at on this machine)."""
     try:
-        data = source.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return fh.read()
+
+
+def _mirror_file(source: Path, target: Path) -> None:
+    data = _read_regular(source)
+    if data is None:
         return
     try:
         if target.read_bytes() == data:
@@ -99,9 +147,13 @@ def _mirror_file(source: Path, target: Path) -> None:
 
 def _mirror_adapter(source: Path, target: Path) -> None:
     """The final weights, once the remote run wrote them (its folder appears by an atomic rename)."""
-    if not source.is_dir():
+    if not source.is_dir() or source.is_symlink():
         return
-    files = {p.name: p.read_bytes() for p in source.iterdir() if p.is_file()}
+    files = {}
+    for path in source.iterdir():
+        data = _read_regular(path) if durable.is_plain_name(path.name) else None
+        if data is not None:
+            files[path.name] = data
     if target.is_dir() and {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()} == files:
         return
     durable.write_folder(target, files, tmp_prefix=".adapter-tmp-", replace=True)
@@ -112,7 +164,7 @@ def _ingest_ledger(ledger, run: dict, copied: list[str]) -> None:
     from ..ledger import Ledger
 
     path = remote_home(run) / "ledger.db"
-    if not path.is_file():
+    if not path.is_file() or path.is_symlink():  # e.g. a link to this machine's own ledger
         return
     with Ledger(path) as remote:
         try:

@@ -11,10 +11,10 @@ import threading
 import time
 import tomllib
 
-from ..control import clear_request, notify, read_requests, write_request
+from ..control import ask, read_requests
 from ..home import run_dir
 from ..ledger import Ledger
-from ..runlock import is_locked, lock_pid
+from ..runlock import is_locked
 
 
 class InferenceLease:
@@ -51,8 +51,7 @@ class InferenceLease:
             for run_id, grace in self._eligible().items():
                 if run_id not in self.holding:
                     folder = run_dir(run_id)
-                    write_request(folder, "serve", "hold", "inference requests in flight")
-                    notify(lock_pid(folder) or 0)
+                    ask(folder, "serve", "hold", "inference requests in flight")
                     self.holding[run_id] = grace
 
     def end(self) -> None:
@@ -75,8 +74,7 @@ class InferenceLease:
     def _release(self, run_id: str) -> None:
         folder = run_dir(run_id)
         if "serve" in read_requests(folder):
-            clear_request(folder, "serve")
-            notify(lock_pid(folder) or 0)
+            ask(folder, "serve", None)
         del self.holding[run_id]
 
     def close(self) -> None:
