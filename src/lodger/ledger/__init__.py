@@ -199,6 +199,9 @@ class Ledger:
             raise RunNotFound(f"no run `{run_id}`; `lodger ls` lists the runs")
         return dict(row)
 
+    def has_run(self, run_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None
+
     def runs(self) -> list[dict]:
         return [dict(r) for r in self.db.execute("SELECT * FROM runs ORDER BY created")]
 
@@ -289,11 +292,13 @@ class Ledger:
     def cancel_queued(self, queue_id: int) -> bool:
         return self.queue_move(queue_id, "unqueued", ("queued",))
 
-    def queue_text_problem(self, queue_id: int) -> str | None:
-        """Why entry ``queue_id``'s job text is not what was queued (None: it matches its `queued` event)."""
+    def queue_text_problem(self, queue_id: int, text: str | None = None) -> str | None:
+        """Why entry ``queue_id``'s job text (or ``text``, the copy about to run) is not what was
+        queued; None when it matches the sha256 its `queued` event carries."""
         entry = self.queue_entry(queue_id)
         if entry is None:
             return f"no queue entry #{queue_id}"
+        text = entry["job_toml"] if text is None else text
         for e in self._events_of_kinds(("queued",)):
             data = json.loads(e["data"])
             if data.get("queue_id") != queue_id:
@@ -303,8 +308,8 @@ class Ledger:
             if data.get("job_sha256") is None:
                 return ("it was queued before lodger recorded the sha256 of queued jobs; remove it "
                         f"(`lodger queue rm {queue_id}`) and queue the job again")
-            if data["job_sha256"] != sha256_text(entry["job_toml"]):
-                return (f"its job text (sha256 {sha256_text(entry['job_toml'])}) is not the text that was queued "
+            if data["job_sha256"] != sha256_text(text):
+                return (f"its job text (sha256 {sha256_text(text)}) is not the text that was queued "
                         f"(sha256 {data['job_sha256']}, event row {e['seq']}): it was edited in the ledger")
             return None
         return "no `queued` event records it (the entry was inserted outside lodger)"

@@ -335,4 +335,4 @@ def target_differences(recorded: dict, current: dict) -> list[str]:
     """Keys where targets.toml differs from the recorded target (a key the record predates counts
     only when it is set)."""
     return sorted(k for k in set(recorded) | set(current)
-                  if (current.get(k) != recorded[k]) if k in recorded else current.get(k) is not None)
+                  if (current.get(k) != recorded[k] if k in recorded else current.get(k) is not None))

@@ -138,7 +138,9 @@ def submit(plan) -> str:
         raise RemoteError("[training] threads: set it explicitly for a remote job (exactness depends on it)")
     name = job.name or Path(plan.job_path).stem
     run_id = new_run_id(name)
-    remote_job = _stage(plan, storage, run_id)
+    with Ledger() as ledger:
+        head = ledger.head()  # the chain as it was when this left: staged with it and recorded below
+    remote_job = _stage(plan, storage, run_id, head)
     info = {"address": target.address, "storage": str(storage), "dir": str(storage / run_id),
             "python": target.python or _local_python(), "cost_per_gpu_hour": target.cost_per_gpu_hour}
 
@@ -158,7 +160,8 @@ def submit(plan) -> str:
             raise
         ledger.set_status(run_id, "submitted", "remote_submitted", target=plan.target_name,
                           address=target.address, submission_id=submission_id, storage=info["dir"],
-                          files=leaving, estimate=plan.estimate, cost=plan.cost, datasets=plan.datasets)
+                          files=leaving, estimate=plan.estimate, cost=plan.cost, datasets=plan.datasets,
+                          chain_head=head)
     return run_id
 
 
@@ -181,7 +184,7 @@ def _total_steps(job) -> int:
     return total_steps(job, rows)
 
 
-def _stage(plan, storage: Path, run_id: str):
+def _stage(plan, storage: Path, run_id: str, head: dict | None = None):
     """Copy what leaves into ``<storage>/<run_id>/`` and write the job that points at the copies."""
     from ..checkpoint import hash_file
     from ..config import to_toml
@@ -216,6 +219,8 @@ def _stage(plan, storage: Path, run_id: str):
                 shutil.copyfile(model, copy)
             job.model.source = str(final / "model" / model.name)
         durable.write_file(tmp / "job.toml", to_toml(job.resolved_dict()).encode())
+        if head is not None:  # whoever holds the staged job can check this head against the owner's ledger
+            durable.write_file(tmp / "chain_head.json", json.dumps(head, sort_keys=True).encode())
         durable.fsync_dir(tmp)
         durable.rename(tmp, final)
         durable.fsync_dir(storage)
