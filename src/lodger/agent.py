@@ -157,6 +157,15 @@ def violations(policy, measured: dict) -> list[str]:
 
 
 # -- the agent -------------------------------------------------------------------------------
+def _seconds(value) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    from .errors import JobFileError
+
+    raise JobFileError(f"{home() / 'config.toml'}: [agent] starting_grace = {value!r}: give seconds as a number "
+                       ">= 0 (e.g. starting_grace = 600)")
+
+
 def queued_run_id(name: str) -> str:
     """The id a queued job's run gets (the form of session.new_run_id; the agent imports no torch)."""
     import secrets
@@ -238,7 +247,7 @@ class Agent:
         self.clear_since: dict[str, float] = {}
         self.starting: dict[str, subprocess.Popen] = {}   # restarted runs, until their worker holds the lock
         self.queue_children: dict[int, subprocess.Popen] = {}  # queued jobs being started
-        self.starting_grace = float(settings.get("starting_grace", 600))  # s before a lost start is requeued
+        self.starting_grace = _seconds(settings.get("starting_grace", 600))  # before a lost start is requeued
 
     def _policy(self, run: dict):
         return _policy_of(run["job_toml"])
