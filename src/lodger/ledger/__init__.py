@@ -226,8 +226,14 @@ class Ledger:
         A `metrics` event in the same transaction carries each row's hash (``metrics_digest``), so
         whoever writes rows (a checkpoint, a sync, a re-ingest) leaves them covered by the chain."""
         stored = [(run_id, r.get("kind", "train"), int(r["step"]), segment, _canonical(r)) for r in rows]
-        if stored:
-            with self.transaction():
+        if not stored:
+            return
+        with self.transaction():
+            have = {(r[0], r[1], r[2], r[3]) for r in self.db.execute(
+                "SELECT kind, step, segment, data FROM metrics WHERE run_id=? AND step BETWEEN ? AND ?",
+                (run_id, min(r[2] for r in stored), max(r[2] for r in stored)))}
+            stored = [r for r in stored if r[1:] not in have]  # a repeated sync rewrites nothing
+            if stored:
                 self.db.executemany("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?)", stored)
                 self._append_event(run_id, "metrics", {"segment": segment,
                                                        "rows": metrics_digest([r[1:] for r in stored])})
