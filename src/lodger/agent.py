@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -319,9 +318,8 @@ class Agent:
         return False
 
     def _paused_by_agent(self, run_id: str) -> bool:
-        events = self.ledger.db.execute("SELECT data FROM events WHERE run_id=? AND kind='paused' ORDER BY seq DESC "
-                                        "LIMIT 1", (run_id,)).fetchone()
-        return bool(events) and json.loads(events["data"]).get("by") == "agent"
+        paused = self.ledger.last_event(run_id, "paused")
+        return bool(paused) and paused["data"].get("by") == "agent"
 
     def _restart(self, run: dict, reason: str, measured: dict | None = None) -> None:
         clear_request(run_dir(run["id"]), "agent")
