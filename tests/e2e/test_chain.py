@@ -214,3 +214,18 @@ def test_witness_heads_signed_with_ed25519_verify_and_a_forged_line_does_not(tmp
     witness.write_text(json.dumps(line) + "\n")
     result = lodger(["audit", "--against", witness, "--public-key", tmp_path / "key.pub"], home, ok=False)
     assert "line 1: the signature does not match" in result.stderr, describe(result)
+
+
+def test_an_approved_submission_carries_the_chain_head_it_left_with(tmp_path: Path, gated: dict) -> None:
+    home = gated["home"]
+    lodger(["data", "grant", "chat-eval", "--leave"], home)
+    result = lodger(["submit", gated["job"], "--target", "lab", "--approve"], home, ok=False)
+    assert "error:" in result.stderr, describe(result)  # nothing listens at the target: it fails after approval
+    with raw(home) as db:
+        approval = db.execute("SELECT seq, prev_hash, data FROM events WHERE kind='submit_approved'").fetchone()
+    head = json.loads(approval["data"])["chain_head"]
+    assert (head["seq"], head["hash"]) == (approval["seq"] - 1, approval["prev_hash"])
+    # whoever holds the submission can have it checked against the owner's ledger later
+    witness = tmp_path / "from-the-submission.jsonl"
+    witness.write_text(json.dumps(head) + "\n")
+    assert "all 1 witnessed head(s)" in lodger(["audit", "--against", witness], home).stdout
