@@ -340,9 +340,11 @@ class Agent:
             room = busy < self.max_concurrent and (busy == 0 or threads_in_use + threads <= (os.cpu_count() or 1))
             if not room:
                 return
-            if not self.ledger.take_from_queue(entry["id"], queued_run_id(entry["name"]), os.getpid()):
+            run_id = queued_run_id(entry["name"])
+            if not self.ledger.take_from_queue(entry["id"], run_id, os.getpid()):
                 continue
-            self.queue_children[entry["id"]] = spawn(["_start-queued", str(entry["id"])], queue_log(entry["id"]))
+            self.queue_children[entry["id"]] = spawn(["_start-queued", str(entry["id"]), run_id],
+                                                     queue_log(entry["id"]))
             busy += 1
             threads_in_use += threads
 

@@ -181,3 +181,14 @@ def test_the_starter_refuses_a_job_whose_text_was_edited(tmp_path):
         assert ledger.runs() == []
     assert [p for p in problems() if "queue" in p] == ["table queue, queue entry #1: column job_toml does not match "
                                                         "the sha256 in its `queued` event (the job text was edited)"]
+
+
+def test_a_starter_that_outlived_a_requeue_does_not_start_the_job_again():
+    with Ledger() as ledger:
+        qid = queued(ledger)
+        ledger.take_from_queue(qid, "q-run-new", agent_pid=1)  # taken again after the old start was requeued
+    result = subprocess.run([sys.executable, "-m", "lodger.cli.main", "_start-queued", str(qid), "q-run-old"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "not being started as run q-run-old" in result.stderr, result.stderr
+    with Ledger() as ledger:
+        assert ledger.queue_entry(qid)["state"] == "starting" and ledger.runs() == []

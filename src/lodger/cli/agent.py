@@ -109,12 +109,14 @@ def queue_rm(queue_id: int) -> None:
 
 @click.command(name="_start-queued", hidden=True)
 @click.argument("queue_id", type=int)
-def start_queued(queue_id: int) -> None:
+@click.argument("run_id", required=False)
+def start_queued(queue_id: int, run_id: str | None) -> None:
     """Create and train the run for a queued job (the agent starts this in the background).
 
     The entry must be `starting` (the agent chose its run id) and its text must match the sha256
     its `queued` event carries; until the run exists this process holds the entry's starter lock,
-    so the agent does not requeue it meanwhile."""
+    so the agent does not requeue it meanwhile. RUN_ID, the id the agent chose, guards against a
+    starter that outlived a requeue starting the job a second time."""
     from ..agent import StarterLock
     from ..durable import atomic_write
     from ..home import home
@@ -124,9 +126,12 @@ def start_queued(queue_id: int) -> None:
     lock = StarterLock(queue_id)
     with Ledger() as ledger:
         entry = ledger.queue_entry(queue_id)
-        if entry is None or entry["state"] != "starting" or not entry["run_id"]:
-            state = entry["state"] if entry else "not in the queue"
-            raise LodgerError(f"queue entry #{queue_id} is not being started ({state}); nothing to do")
+        mine = entry is not None and entry["state"] == "starting" and entry["run_id"] \
+            and run_id in (None, entry["run_id"])
+        if not mine:
+            state = f"{entry['state']}, run {entry['run_id']}" if entry else "not in the queue"
+            raise LodgerError(f"queue entry #{queue_id} is not being started as run {run_id} ({state}); the agent "
+                              "requeued it or another starter has it: nothing to do")
         problem = ledger.queue_text_problem(queue_id, entry["job_toml"])
         if problem:
             ledger.queue_move(queue_id, "queue_refused", ("starting",), reason=problem)
