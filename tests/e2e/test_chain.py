@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from forge import rewrite_chain
-from helpers import describe, lodger_env, run_lodger, write_job
+from helpers import describe, lodger_env, run_lodger, wait_until, write_job
 
 ADDRESS = "http://127.0.0.1:9"  # the discard port: nothing listens there
 LIMITS = {"wall_hours": 1.0, "gpu_hours": 1.0, "cost": 1.5, "nodes": 1}
@@ -150,6 +153,50 @@ def test_the_agent_refuses_a_queued_job_whose_text_was_edited(tmp_path: Path, lo
     assert kinds(lodger_home, "queue_starting") == []
     assert json.loads(lodger(["ls", "--json"], lodger_home).stdout) == []  # nothing ran
     assert "refused queued job #1" in (lodger_home / "queue" / "1.out").read_text()
+
+
+def test_a_start_lost_with_its_agent_is_requeued_and_started_again_by_the_next_agent(
+        tmp_path: Path, lodger_home: Path, tiny_model_dir: Path, chat_data: dict[str, Path]) -> None:
+    from lodger.ledger import Ledger
+
+    job = write_job(tmp_path / "queued.toml", model=tiny_model_dir, train=chat_data["train"], steps=2, name="q",
+                    eval_every=None)
+    lodger(["queue", "add", job], lodger_home)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with Ledger(lodger_home / "ledger.db") as ledger:  # an agent took it, then died before its run existed
+        assert ledger.take_from_queue(1, "q-lost", agent_pid=gone.pid)
+    try:
+        lodger(["agent", "--interval", "0.2", "--for-seconds", "2"], lodger_home)
+        [requeued] = kinds(lodger_home, "queue_requeued")
+        assert requeued["lost_run_id"] == "q-lost" and f"pid {gone.pid}" in requeued["reason"]
+        starts = kinds(lodger_home, "queue_starting")
+        assert [s["run_id"] for s in starts][0] == "q-lost" and len(starts) == 2
+        run_id = starts[1]["run_id"]
+
+        def ended():  # the started job trains in its own process, after the agent has gone
+            found = {r["id"]: r for r in json.loads(lodger(["ls", "--json"], lodger_home).stdout)}
+            return found if found.get(run_id, {}).get("status") in ("finished", "failed") else None
+
+        runs = wait_until(ended, 300, what=f"the requeued job's run {run_id} to end", interval=0.5)
+    finally:
+        reap(lodger_home)
+    assert runs[run_id]["status"] == "finished" and list(runs) == [run_id]
+    with raw(lodger_home) as db:
+        assert tuple(db.execute("SELECT state, run_id FROM queue WHERE id=1").fetchone()) == ("started", run_id)
+    lodger(["audit"], lodger_home)
+
+
+def reap(home: Path) -> None:
+    """Kill, by pid, any process still running with this test's LODGER_HOME (the queued job's run)."""
+    marker = f"LODGER_HOME={home}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                continue
 
 
 # -- witnesses -------------------------------------------------------------------------------
