@@ -199,7 +199,11 @@ def audit(witness: Path | None, against: Path | None, sign_key: Path | None, pub
         raise LodgerError("--sign-key signs the head --witness writes; add --witness FILE")
     if public_key and not against:
         raise LodgerError("--public-key checks the signatures of --against FILE; add --against FILE")
-    targets = {name: t.model_dump(mode="json") for name, t in load_targets().items()}
+    try:
+        targets = {name: t.model_dump(mode="json") for name, t in load_targets().items()}
+    except LodgerError as exc:  # the ledger is still worth auditing; the file is reported, not compared
+        click.echo(f"warning: targets not compared with the chain: {exc}", err=True)
+        targets = None
     with Ledger() as ledger:
         count, problems = ledger.audit()
         records = ledger.audit_records(targets)
