@@ -192,3 +192,11 @@ def test_a_starter_that_outlived_a_requeue_does_not_start_the_job_again():
     assert result.returncode == 1 and "not being started as run q-run-old" in result.stderr, result.stderr
     with Ledger() as ledger:
         assert ledger.queue_entry(qid)["state"] == "starting" and ledger.runs() == []
+
+
+def test_a_non_finite_loss_in_a_checkpoint_event_agrees_with_the_null_sqlite_stores():
+    with Ledger() as ledger:
+        a_run(ledger)
+        ledger.event("run-a", "checkpoint", step=2, loss=float("nan"))
+        assert ledger.run("run-a")["loss"] is None
+    assert problems() == []

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +125,13 @@ def apply(db, run_id: str | None, kind: str, data: dict, at: float) -> None:
 
 
 # -- the audit -------------------------------------------------------------------------------
+def _same(stored: Any, chained: Any) -> bool:
+    """Equal, where a NaN the chain carries counts as equal to the NULL SQLite stores for it."""
+    if isinstance(chained, float) and math.isnan(chained):
+        return stored is None or (isinstance(stored, float) and math.isnan(stored))
+    return stored == chained
+
+
 @dataclass
 class RecordProblem:
     """A row that disagrees with the chain: which table, which run (or dataset, queue entry), which step."""
@@ -216,7 +224,7 @@ class Records:
                                                   "(the row was inserted outside lodger)"))
                 continue
             for column, value in self.runs[rid].items():
-                if row.get(column) != value:
+                if not _same(row.get(column), value):
                     problems.append(RecordProblem("runs", f"run {rid}", f"column {column} is {row.get(column)!r} "
                                                   f"but the chain says {value!r}", seq=self.run_seq.get((rid, column))))
             if sha256_text(row.get("job_toml")) != self.job_sha[rid]:
