@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import json
 import os
 import subprocess
 import sys
@@ -157,6 +156,51 @@ def violations(policy, measured: dict) -> list[str]:
 
 
 # -- the agent -------------------------------------------------------------------------------
+def _seconds(value) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    from .errors import JobFileError
+
+    raise JobFileError(f"{home() / 'config.toml'}: [agent] starting_grace = {value!r}: give seconds as a number "
+                       ">= 0 (e.g. starting_grace = 600)")
+
+
+def queued_run_id(name: str) -> str:
+    """The id a queued job's run gets (the form of session.new_run_id; the agent imports no torch)."""
+    import secrets
+
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def queue_log(queue_id: int) -> Path:
+    folder = home() / "queue"
+    folder.mkdir(exist_ok=True)
+    return folder / f"{queue_id}.out"
+
+
+class StarterLock:
+    """Held by the `_start-queued` process until its run exists: while held, the entry is not lost."""
+
+    def __init__(self, queue_id: int):
+        self.fh = open(queue_log(queue_id).with_suffix(".lock"), "a+")
+        fcntl.flock(self.fh, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        self.fh.close()
+
+
+def starter_busy(queue_id: int) -> bool:
+    path = home() / "queue" / f"{queue_id}.lock"
+    if not path.exists():
+        return False
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+
+
 def agent_lock_path() -> Path:
     return home() / "agent.lock"
 
@@ -202,6 +246,7 @@ class Agent:
         self.clear_since: dict[str, float] = {}
         self.starting: dict[str, subprocess.Popen] = {}   # restarted runs, until their worker holds the lock
         self.queue_children: dict[int, subprocess.Popen] = {}  # queued jobs being started
+        self.starting_grace = _seconds(settings.get("starting_grace", 600))  # before a lost start is requeued
 
     def _policy(self, run: dict):
         return _policy_of(run["job_toml"])
@@ -219,7 +264,7 @@ class Agent:
             if run_id in holders or child.poll() is not None:
                 del self.starting[run_id]
         for queue_id, child in list(self.queue_children.items()):
-            row = self.ledger.db.execute("SELECT run_id FROM queue WHERE id=?", (queue_id,)).fetchone()
+            row = self.ledger.queue_entry(queue_id)
             if child.poll() is not None or (row and row["run_id"] in holders):
                 del self.queue_children[queue_id]
         pids = set(holders.values()) - {None}
@@ -237,6 +282,7 @@ class Agent:
             elif run["status"] == "paused" and self._paused_by_agent(run["id"]):
                 if self._clear_for_long_enough(run, measured):
                     self._restart(run, "conditions clear: continuing the run it released", measured)
+        self._settle_starting()
         busy = len(holders) + len(self.starting) + len(self.queue_children)
         self._start_queued(busy, sum(self._threads(r["job_toml"]) for r in live.values()))
 
@@ -272,9 +318,8 @@ class Agent:
         return False
 
     def _paused_by_agent(self, run_id: str) -> bool:
-        events = self.ledger.db.execute("SELECT data FROM events WHERE run_id=? AND kind='paused' ORDER BY seq DESC "
-                                        "LIMIT 1", (run_id,)).fetchone()
-        return bool(events) and json.loads(events["data"]).get("by") == "agent"
+        paused = self.ledger.last_event(run_id, "paused")
+        return bool(paused) and paused["data"].get("by") == "agent"
 
     def _restart(self, run: dict, reason: str, measured: dict | None = None) -> None:
         clear_request(run_dir(run["id"]), "agent")
@@ -283,19 +328,60 @@ class Agent:
         self.starting[run["id"]] = spawn(["_worker", run["id"]], run_dir(run["id"]) / "worker.out")
 
     def _start_queued(self, busy: int, threads_in_use: int) -> None:
+        """queued -> starting(run id, time, our pid), then a `_start-queued` process creates the run.
+
+        Only a job whose text matches the sha256 its `queued` event carries is started."""
         for entry in self.ledger.queue():
+            problem = self.ledger.queue_text_problem(entry["id"], entry["job_toml"])
+            if problem:
+                self._refuse(entry, problem)
+                continue
             threads = self._threads(entry["job_toml"])
             room = busy < self.max_concurrent and (busy == 0 or threads_in_use + threads <= (os.cpu_count() or 1))
             if not room:
                 return
-            if not self.ledger.take_from_queue(entry["id"], run_id=None):
+            run_id = queued_run_id(entry["name"])
+            if not self.ledger.take_from_queue(entry["id"], run_id, os.getpid()):
                 continue
-            self.ledger.event(None, "agent_start", queue_id=entry["id"], name=entry["name"])
-            log = home() / "queue" / f"{entry['id']}.out"
-            log.parent.mkdir(exist_ok=True)
-            self.queue_children[entry["id"]] = spawn(["_start-queued", str(entry["id"])], log)
+            self.queue_children[entry["id"]] = spawn(["_start-queued", str(entry["id"]), run_id],
+                                                     queue_log(entry["id"]))
             busy += 1
             threads_in_use += threads
+
+    def _refuse(self, entry: dict, problem: str) -> None:
+        if self.ledger.queue_move(entry["id"], "queue_refused", ("queued",), reason=problem):
+            message = f"agent: refused queued job #{entry['id']} ({entry['name']}): {problem}\n"
+            with open(queue_log(entry["id"]), "a", encoding="utf-8") as fh:
+                fh.write(message)
+            sys.stderr.write(message)  # the agent's own output is its log
+
+    def _settle_starting(self) -> None:
+        """A `starting` entry whose run appeared is started; one whose run never will is queued again."""
+        for entry in self.ledger.queue("starting"):
+            if starter_busy(entry["id"]):
+                continue  # a `_start-queued` process is creating the run right now
+            if entry["run_id"] and self.ledger.has_run(entry["run_id"]):
+                self.ledger.queue_move(entry["id"], "queue_started", ("starting",), entry["run_id"],
+                                       run_id=entry["run_id"])
+                continue
+            reason = self._lost_start(entry)
+            if reason:
+                self.ledger.queue_move(entry["id"], "queue_requeued", ("starting",), reason=reason,
+                                       lost_run_id=entry["run_id"])
+                self.queue_children.pop(entry["id"], None)
+
+    def _lost_start(self, entry: dict) -> str | None:
+        """Why a `starting` entry's run will never appear (None: give it time)."""
+        pid, child = entry["agent_pid"], self.queue_children.get(entry["id"])
+        if pid == os.getpid():
+            if child is None or child.poll() is not None:
+                return "its starter process ended before the run existed"
+        elif not pid or not Path(f"/proc/{pid}").exists():
+            return f"the agent that took it (pid {pid}) is gone and no run {entry['run_id']} exists"
+        waited = time.time() - (entry["starting_at"] or 0)
+        if waited > self.starting_grace:
+            return f"no run {entry['run_id']} after {waited:.0f} s (grace {self.starting_grace:g} s)"
+        return None
 
     def serve_forever(self, stop_after: float | None = None) -> None:
         started = time.monotonic()

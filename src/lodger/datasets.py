@@ -2,8 +2,9 @@
 
 A registered dataset is a file identified by its sha256, with its license, its owner and three
 permissions: may it train models, may it leave this machine, and to which named remote targets.
-The registry lives in the ledger (table ``datasets``); every change is a ledger event in the same
-transaction as the row it changes, so the chain tells who allowed what, when.
+The registry lives in the ledger (table ``datasets``); every change is a ledger event and the row is
+written from that event (ledger/records.py), so the chain tells who allowed what, when. Reading
+checks the rows against the chain: a row edited outside lodger is refused, naming the dataset.
 
 Jobs use it through ``resolve``: `[data] train = "dataset:NAME"` names a dataset, and a plain
 path counts as the dataset registered at that path or with that content. A file whose content no
@@ -15,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -115,11 +115,21 @@ def _ledger(ledger=None) -> Iterator:
 
 
 def list_datasets(ledger=None) -> list[Dataset]:
-    """Every registered dataset, by name. Reading never creates the ledger."""
+    """Every registered dataset, by name, as the hash chain confirms it. Reading never creates the ledger.
+
+    A row that disagrees with the chain's dataset events (a permission flipped in the table, say)
+    is refused: nothing downstream (the gate, a run) may trust it."""
     if ledger is None and not ledger_path().exists():
         return []
     with _ledger(ledger) as lg:
-        return [_row(r) for r in lg.db.execute("SELECT * FROM datasets ORDER BY name")]
+        problems = lg.dataset_problems()
+        if problems:
+            listed = "\n".join(f"  - {p.where()}: {p.problem}" for p in problems)
+            raise DatasetError(f"the dataset registry disagrees with the ledger's hash chain, so its permissions "
+                               f"cannot be trusted:\n{listed}\nsomething edited ledger.db outside lodger; "
+                               "`lodger audit` shows every such row (restore the ledger from a backup, or record the "
+                               "intended permissions again with `lodger data grant` / `revoke`)")
+        return [_row(r) for r in lg.datasets()]
 
 
 def get(name: str, ledger=None) -> Dataset:
@@ -151,21 +161,19 @@ def add(path: Path, *, name: str, license: str, owner: str, may_train: bool = Tr
     ident = identify(path)
     from .ledger import Ledger
 
-    with Ledger() as ledger, ledger.transaction() as db:
-        existing = db.execute("SELECT * FROM datasets WHERE name=?", (name,)).fetchone()
-        twin = db.execute("SELECT name FROM datasets WHERE sha256=? AND name<>?", (ident.sha256, name)).fetchone()
+    with Ledger() as ledger, ledger.transaction():
+        registry = {d.name: d for d in list_datasets(ledger)}
+        existing = registry.get(name)
+        twin = next((d for d in registry.values() if d.sha256 == ident.sha256 and d.name != name), None)
         if twin:
             raise DatasetError(f"{ident.path}: this content (sha256 {ident.sha256}) is already registered as "
-                               f"dataset {twin['name']!r}; use that name (`lodger data show {twin['name']}`)")
-        now = time.time()
+                               f"dataset {twin.name!r}; use that name (`lodger data show {twin.name}`)")
         if existing is None:
-            db.execute("INSERT INTO datasets VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                       (name, str(ident.path), ident.sha256, ident.size, ident.lines, license, owner,
-                        int(may_train), int(may_leave), json.dumps(sorted(set(targets))), now, now))
-            dataset = _row(db.execute("SELECT * FROM datasets WHERE name=?", (name,)).fetchone())
-            ledger.event(None, "dataset_added", **_event_data(dataset))
-            return dataset, "added"
-        old = _row(existing)
+            ledger.event(None, "dataset_added", name=name, path=str(ident.path), sha256=ident.sha256,
+                         size=ident.size, lines=ident.lines, license=license, owner=owner, may_train=may_train,
+                         may_leave=may_leave, targets=sorted(set(targets)))
+            return _named(ledger, name), "added"
+        old = existing
         changes = {k: (getattr(old, k), v) for k, v in
                    (("path", str(ident.path)), ("sha256", ident.sha256), ("license", license), ("owner", owner))
                    if getattr(old, k) != v}
@@ -176,18 +184,14 @@ def add(path: Path, *, name: str, license: str, owner: str, may_train: bool = Tr
             raise DatasetError(f"dataset {name!r} is already registered, differently ({listed}); if that is "
                                "intended, record it with --update (the change is a ledger event)")
         # Permissions stay as granted: an update changes what the file is, not what it may do.
-        db.execute("UPDATE datasets SET path=?, sha256=?, size=?, lines=?, license=?, owner=?, updated=? "
-                   "WHERE name=?", (str(ident.path), ident.sha256, ident.size, ident.lines, license, owner,
-                                    now, name))
-        dataset = _row(db.execute("SELECT * FROM datasets WHERE name=?", (name,)).fetchone())
-        ledger.event(None, "dataset_updated", **_event_data(dataset),
+        ledger.event(None, "dataset_updated", name=name, path=str(ident.path), sha256=ident.sha256,
+                     size=ident.size, lines=ident.lines, license=license, owner=owner, **old.permissions(),
                      previous={k: a for k, (a, _) in changes.items()})
-        return dataset, "updated"
+        return _named(ledger, name), "updated"
 
 
-def _event_data(d: Dataset) -> dict:
-    return {"name": d.name, "path": d.path, "sha256": d.sha256, "size": d.size, "lines": d.lines,
-            "license": d.license, "owner": d.owner, **d.permissions()}
+def _named(ledger, name: str) -> Dataset:
+    return next(_row(r) for r in ledger.datasets() if r["name"] == name)
 
 
 def change_permissions(name: str, *, allow: bool, train: bool = False, leave: bool = False,
@@ -203,24 +207,19 @@ def change_permissions(name: str, *, allow: bool, train: bool = False, leave: bo
             raise DatasetError(f"--target {target!r} is not a target name (letters, digits, `_`, `.`, `-`)")
     from .ledger import Ledger
 
-    with Ledger() as ledger, ledger.transaction() as db:
-        row = db.execute("SELECT * FROM datasets WHERE name=?", (name,)).fetchone()
-        if row is None:
-            get(name, ledger)  # raises, naming the registered ones
-        old = _row(row)
+    with Ledger() as ledger, ledger.transaction():
+        old = get(name, ledger)  # raises, naming the registered ones
         may_train = allow if train else old.may_train
         may_leave = allow if leave else old.may_leave
         listed = set(old.targets) | set(targets) if allow else set(old.targets) - set(targets)
         new = sorted(listed)
         if (may_train, may_leave, new) == (old.may_train, old.may_leave, sorted(old.targets)):
             return old, False
-        db.execute("UPDATE datasets SET may_train=?, may_leave=?, targets=?, updated=? WHERE name=?",
-                   (int(may_train), int(may_leave), json.dumps(new), time.time(), name))
-        dataset = _row(db.execute("SELECT * FROM datasets WHERE name=?", (name,)).fetchone())
         asked = {"train": train, "leave": leave, "targets": sorted(set(targets))}
+        after = {"may_train": may_train, "may_leave": may_leave, "targets": new}
         ledger.event(None, "dataset_granted" if allow else "dataset_revoked", name=name, asked=asked,
-                     before=old.permissions(), after=dataset.permissions(), sha256=dataset.sha256)
-        return dataset, True
+                     before=old.permissions(), after=after, sha256=old.sha256)
+        return _named(ledger, name), True
 
 
 def grant(name: str, **what) -> tuple[Dataset, bool]:

@@ -106,7 +106,7 @@ def check(job_path: Path, target_name: str) -> Plan:
     reasons: list[str] = []
     target = job = None
     try:
-        target = get_target(target_name)
+        target = get_target(target_name, recorded=True)  # caps as the chain recorded them
     except TargetError as exc:
         reasons.append(str(exc))
     try:
@@ -274,8 +274,9 @@ def record_refusal(job_path: Path, target_name: str, refused: GateRefused) -> No
 
 
 def record_approval(plan: Plan, how: str) -> None:
-    """A `submit_approved` ledger event with the plan's summary and how it was approved."""
+    """A `submit_approved` ledger event with the plan's summary, how it was approved, and the
+    chain's head just before it (what a later `lodger audit --against` can be checked with)."""
     from .ledger import Ledger
 
-    with Ledger() as ledger:
-        ledger.event(None, "submit_approved", approved_by=how, **plan.summary())
+    with Ledger() as ledger, ledger.transaction():
+        ledger.event(None, "submit_approved", approved_by=how, chain_head=ledger.head(), **plan.summary())

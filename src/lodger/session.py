@@ -395,8 +395,7 @@ class Session:
             reached = max([step] + [r["step"] for r in records])
             kept = [json.dumps(r) + "\n" for r in records if r["step"] <= step]
             durable.atomic_write(path, "".join(kept).encode())
-        with self.ledger.transaction() as db:
-            db.execute("DELETE FROM metrics WHERE run_id=? AND step>?", (self.run_id, step))
+        self.ledger.truncate_metrics(self.run_id, step)  # a `metrics_truncated` event says so
         return reached
 
     def record_step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
@@ -472,10 +471,10 @@ class Session:
         seconds = time.perf_counter() - started
         size = sum(f.stat().st_size for f in path.iterdir())
         with self.ledger.transaction():
-            self.ledger.add_metrics(self.run_id, self.progress.segment, self.pending)
-            self.ledger.update_run(self.run_id, step=self.progress.step,
-                                   loss=next((r["loss"] for r in reversed(self.pending) if "loss" in r), None))
+            self.ledger.add_metrics(self.run_id, self.progress.segment, self.pending)  # rows + their hashes
+            # the event sets the run's step and loss columns (ledger/records.py): one record, chained
             self.ledger.event(self.run_id, "checkpoint", step=self.progress.step, path=path.name, bytes=size,
+                              loss=next((r["loss"] for r in reversed(self.pending) if "loss" in r), None),
                               seconds=round(seconds, 4), compute=self.meter.read())
         self.pending = []
         self.reporter.message(f"checkpoint step {self.progress.step} committed in {seconds:.2f} s "

@@ -82,19 +82,38 @@ def load_targets() -> dict[str, Target]:
     return targets
 
 
-def get_target(name: str) -> Target:
+def get_target(name: str, recorded: bool = False) -> Target:
+    """Target ``name`` from targets.toml; with ``recorded``, only as the ledger's chain recorded it
+    (caps are the owner's limits: a change that skipped `lodger target add` is refused)."""
     targets = load_targets()
     if name not in targets:
         known = ", ".join(sorted(targets)) or "none yet"
         raise TargetError(f"no target named {name!r} (known: {known}); add one with `lodger target add {name} ...`")
+    if recorded:
+        _check_recorded(name, targets[name])
     return targets[name]
+
+
+def _check_recorded(name: str, target: Target) -> None:
+    from .ledger import Ledger
+    from .ledger.records import target_differences
+
+    with Ledger() as ledger:
+        chained = ledger.chain_targets().get(name)
+    changed = target_differences(chained or {}, target.model_dump(mode="json"))
+    if chained is None or changed:
+        what = ("is not recorded in the ledger" if chained is None
+                else f"differs from what the ledger recorded ({', '.join(changed)})")
+        raise TargetError(f"{targets_path()}: target {name!r} {what}, so it was edited by hand; the gate trusts "
+                          f"only caps the ledger recorded: record them with `lodger target add {name} ... --replace`")
 
 
 def save_targets(targets: dict[str, Target]) -> None:
     """Rewrite the targets file atomically (it is the user's settings, not run state)."""
     from .durable import atomic_write
 
-    lines = ["# lodger's remote targets: edit with `lodger target add` (or by hand)."]
+    lines = ["# lodger's remote targets: edit with `lodger target add` (the ledger records each change; the",
+             "# gate refuses a target edited here by hand until `lodger target add NAME ... --replace` records it)."]
     for name, target in sorted(targets.items()):
         lines += ["", f"[targets.{name}]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in target.model_dump(mode="json", exclude_none=True).items()]

@@ -100,7 +100,9 @@ def test_sync_copies_only_verified_checkpoints_and_ingests_events_once(tmp_path,
     assert (local / "metrics.jsonl").read_bytes() == (folder / "metrics.jsonl").read_bytes()
     assert run["status"] == again["status"] == "running" and run["step"] == 4
     remote_kinds = [e["data"]["remote_kind"] for e in events if e["kind"] == "remote_event"]
-    assert remote_kinds == ["created", "started"]  # the second sync added nothing
+    # every remote event once (rows and run columns are events too): the second sync added nothing
+    assert remote_kinds == ["created", "started", "metrics", "run_updated"]
+    assert [e["kind"] for e in events].count("metrics") == 1
     assert [m["step"] for m in metrics] == [1]
 
 

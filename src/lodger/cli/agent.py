@@ -109,27 +109,43 @@ def queue_rm(queue_id: int) -> None:
 
 @click.command(name="_start-queued", hidden=True)
 @click.argument("queue_id", type=int)
-def start_queued(queue_id: int) -> None:
-    """Create and train the run for a queued job (the agent starts this in the background)."""
+@click.argument("run_id", required=False)
+def start_queued(queue_id: int, run_id: str | None) -> None:
+    """Create and train the run for a queued job (the agent starts this in the background).
+
+    The entry must be `starting` (the agent chose its run id) and its text must match the sha256
+    its `queued` event carries; until the run exists this process holds the entry's starter lock,
+    so the agent does not requeue it meanwhile. RUN_ID, the id the agent chose, guards against a
+    starter that outlived a requeue starting the job a second time."""
+    from ..agent import StarterLock
     from ..durable import atomic_write
     from ..home import home
     from ..ledger import Ledger
     from ..session import create_run, execute
 
+    lock = StarterLock(queue_id)
     with Ledger() as ledger:
-        entry = ledger.db.execute("SELECT * FROM queue WHERE id=?", (queue_id,)).fetchone()
+        entry = ledger.queue_entry(queue_id)
+        mine = entry is not None and entry["state"] == "starting" and entry["run_id"] \
+            and run_id in (None, entry["run_id"])
+        if not mine:
+            state = f"{entry['state']}, run {entry['run_id']}" if entry else "not in the queue"
+            raise LodgerError(f"queue entry #{queue_id} is not being started as run {run_id} ({state}); the agent "
+                              "requeued it or another starter has it: nothing to do")
+        problem = ledger.queue_text_problem(queue_id, entry["job_toml"])
+        if problem:
+            ledger.queue_move(queue_id, "queue_refused", ("starting",), reason=problem)
+            raise LodgerError(f"queued job #{queue_id} refused: {problem}")
         snapshot = home() / "queue" / f"{queue_id}.toml"
         snapshot.parent.mkdir(exist_ok=True)
         atomic_write(snapshot, entry["job_toml"].encode())
         try:
-            run_id, prepared = create_run(snapshot, name=entry["name"], managed=True)
+            run_id, prepared = create_run(snapshot, name=entry["name"], managed=True, run_id=entry["run_id"])
         except LodgerError as exc:
-            with ledger.transaction():
-                ledger.db.execute("UPDATE queue SET state='failed' WHERE id=?", (queue_id,))
-            ledger.event(None, "queue_failed", queue_id=queue_id, error=str(exc))
+            ledger.queue_move(queue_id, "queue_failed", ("starting",), error=str(exc))
             raise
-        with ledger.transaction():
-            ledger.db.execute("UPDATE queue SET run_id=? WHERE id=?", (run_id, queue_id))
+        ledger.queue_move(queue_id, "queue_started", ("starting",), run_id, run_id=run_id)
+    lock.release()
     execute(run_id, prepared, resuming=False, quiet=True)
 
 

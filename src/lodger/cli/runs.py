@@ -170,21 +170,67 @@ def logs(run_id: str, follow: bool, from_ray: bool) -> None:
 
 
 @click.command()
-def audit() -> None:
-    """Verify the ledger's hash chain; exit 1 if any row was edited, deleted or inserted.
+@click.option("--witness", "witness", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="After a clean audit, append the chain's head (seq, hash, time) to this file; keep it "
+                   "where an editor of ledger.db does not reach.")
+@click.option("--against", "against", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Prove every head in this witness file is still in today's chain with the same hash.")
+@click.option("--sign-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Ed25519 private key (PEM) to sign the head written by --witness.")
+@click.option("--public-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Ed25519 public key (PEM): with --against, every witness line must carry its signature.")
+def audit(witness: Path | None, against: Path | None, sign_key: Path | None, public_key: Path | None) -> None:
+    """Verify the hash chain and every table against it; exit 1 on any disagreement.
 
-    Example: lodger audit
+    Checks that no event was edited, deleted or inserted, and recomputes runs, metrics,
+    provenance, datasets, the queue and targets.toml from the chain, naming each row that differs
+    (table, run, step). A forger who recomputes every hash is caught only by a head witnessed
+    earlier outside ledger.db: see docs/security.md.
+
+    \b
+    Example: lodger audit --witness ~/backup/lodger-heads.jsonl
+             lodger audit --against ~/backup/lodger-heads.jsonl
     """
     from ..ledger import Ledger
+    from ..ledger.witness import append_witness, check_against
+    from ..targets import load_targets
 
+    if sign_key and not witness:
+        raise LodgerError("--sign-key signs the head --witness writes; add --witness FILE")
+    if public_key and not against:
+        raise LodgerError("--public-key checks the signatures of --against FILE; add --against FILE")
+    try:
+        targets = {name: t.model_dump(mode="json") for name, t in load_targets().items()}
+    except LodgerError as exc:  # the ledger is still worth auditing; the file is reported, not compared
+        click.echo(f"warning: targets not compared with the chain: {exc}", err=True)
+        targets = None
     with Ledger() as ledger:
         count, problems = ledger.audit()
-    if not problems:
-        click.echo(f"ledger intact: {count} events, hash chain verified")
-        return
+        records = ledger.audit_records(targets)
+        witnessed, against_problems = check_against(ledger, against, public_key) if against else (0, [])
+        head = ledger.head()
     for problem in problems:
         click.echo(f"row {problem.seq}: {problem.problem}", err=True)
-    raise LodgerError(f"ledger chain broken: {len(problems)} problem(s) in {count} events")
+    for problem in records:
+        event = f" (event row {problem.seq})" if problem.seq else ""
+        click.echo(f"{problem.where()}: {problem.problem}{event}", err=True)
+    for problem in against_problems:
+        click.echo(problem, err=True)
+    total = len(problems) + len(records) + len(against_problems)
+    if total:
+        found = [f"{n} {what}" for n, what in ((len(problems), f"problem(s) in {count} events"),
+                                               (len(records), "table row(s) that disagree with the chain"),
+                                               (len(against_problems), "witnessed head(s) not in today's chain"))
+                 if n]
+        raise LodgerError(("ledger chain broken: " if problems or against_problems else "ledger tables edited: ")
+                          + ", ".join(found))
+    click.echo(f"ledger intact: {count} events, hash chain verified; every table agrees with the chain")
+    if against:
+        click.echo(f"all {witnessed} witnessed head(s) in {against} are in today's chain")
+    if witness:
+        line = append_witness(witness, head, sign_key)
+        click.echo(f"witnessed head row {line['seq']} ({line['hash'][:16]}...) in {witness}"
+                   + (" (signed)" if sign_key else ""))
 
 
 COMMANDS = [ls, show, logs, audit]

@@ -1,7 +1,10 @@
 """The ledger: an append-only, hash-chained record of runs, events, metrics and provenance.
 
 SQLite in WAL mode with synchronous=FULL. Every event row carries the hash of the previous row;
-``audit()`` finds an edited, deleted or inserted row. Nothing here imports torch.
+``audit()`` finds an edited, deleted or inserted row. Every other table is derived from or
+covered by chained events (``records.py``: the rules); ``audit_records()`` names each row that
+disagrees. Heads witnessed outside the database (``witness.py``) catch a forger who recomputes
+the whole chain. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any, Iterable
 
 from ..errors import LedgerError, RunNotFound
 from ..home import ledger_path
+from . import records
 from .migrations import MIGRATIONS
+from .records import RecordProblem, metrics_digest, sha256_text
 
 GENESIS = "0" * 64
 EVENT_KINDS = ("created", "started", "checkpoint", "interrupted", "resumed", "drift", "damaged_checkpoint",
@@ -92,6 +97,7 @@ class Ledger:
                         (seq, run_id, at, kind, text, prev_hash, digest))
         self.db.execute("INSERT INTO chain_head VALUES (1, ?, ?) ON CONFLICT(id) DO UPDATE SET seq=?, hash=?",
                         (seq, digest, seq, digest))
+        records.apply(self.db, run_id, kind, data, at)  # the rows this event explains change with it
         return seq
 
     def event(self, run_id: str | None, kind: str, **data: Any) -> int:
@@ -107,6 +113,11 @@ class Ledger:
         if row is None:
             return {"seq": 0, "hash": GENESIS, "time": None}
         return {"seq": row["seq"], "hash": row["hash"], "time": row["time"]}
+
+    def event_hash_at(self, seq: int) -> str | None:
+        """The hash of event row ``seq`` (None: no such row)."""
+        row = self.db.execute("SELECT hash FROM events WHERE seq=?", (seq,)).fetchone()
+        return row["hash"] if row else None
 
     def transaction(self):
         return _Transaction(self.db)
@@ -154,7 +165,8 @@ class Ledger:
                 "INSERT INTO runs (id, name, created, updated, status, model, method, job_hash, job_toml,"
                 " total_steps, pid, managed) VALUES (?, ?, ?, ?, 'created', ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, name, now, now, model, method, job_hash, job_toml, total_steps, pid, int(managed)))
-            data = {"job_hash": job_hash, "model": model, "method": method, "total_steps": total_steps}
+            data = {"job_hash": job_hash, "model": model, "method": method, "total_steps": total_steps,
+                    "name": name, "managed": bool(managed), "job_toml_sha256": sha256_text(job_toml)}
             if reproduces:
                 data["reproduces"] = reproduces
             if estimate:
@@ -162,23 +174,33 @@ class Ledger:
             self._append_event(run_id, "created", data)
 
     def update_run(self, run_id: str, **fields: Any) -> None:
+        """Set run columns; a change to a column the chain covers is a `run_updated` event."""
         if not fields:
             return
-        cols = ", ".join(f"{k}=?" for k in fields)
         with self.transaction():
-            self.db.execute(f"UPDATE runs SET {cols}, updated=? WHERE id=?", (*fields.values(), time.time(), run_id))
+            row = self.db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
+            covered = {k: v for k, v in fields.items() if k in records.RUN_COLUMNS}
+            changed = {k: v for k, v in covered.items() if row is None or row[k] != v}
+            if changed:
+                self._append_event(run_id, "run_updated", {"fields": changed})
+            rest = {k: v for k, v in fields.items() if k not in covered}
+            if rest:
+                cols = ", ".join(f"{k}=?" for k in rest)
+                self.db.execute(f"UPDATE runs SET {cols}, updated=? WHERE id=?", (*rest.values(), time.time(), run_id))
 
     def set_status(self, run_id: str, status: str, event: str | None = None, **data: Any) -> None:
-        """Change a run's status and record why, in one transaction."""
+        """Change a run's status and record why: the event carries the status and sets the column."""
         with self.transaction():
-            self.db.execute("UPDATE runs SET status=?, updated=? WHERE id=?", (status, time.time(), run_id))
-            self._append_event(run_id, event or status, data)
+            self._append_event(run_id, event or status, {**data, "status": status})
 
     def run(self, run_id: str) -> dict:
         row = self.db.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
         if row is None:
             raise RunNotFound(f"no run `{run_id}`; `lodger ls` lists the runs")
         return dict(row)
+
+    def has_run(self, run_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is not None
 
     def runs(self) -> list[dict]:
         return [dict(r) for r in self.db.execute("SELECT * FROM runs ORDER BY created")]
@@ -198,52 +220,157 @@ class Ledger:
         raise RunNotFound(f"`{prefix}` matches {len(rows)} runs ({ids}); give more of the id")
 
     # -- metrics and provenance --------------------------------------------------------------
-    def add_metrics(self, run_id: str, segment: int, records: Iterable[dict]) -> None:
-        """Store metric records (each with `kind` and `step`); a re-run step replaces the lost one."""
-        rows = [(run_id, r.get("kind", "train"), int(r["step"]), segment, _canonical(r)) for r in records]
-        if rows:
-            with self.transaction():
-                self.db.executemany("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?)", rows)
+    def add_metrics(self, run_id: str, segment: int, rows: Iterable[dict]) -> None:
+        """Store metric records (each with `kind` and `step`); a re-run step replaces the lost one.
+
+        A `metrics` event in the same transaction carries each row's hash (``metrics_digest``), so
+        whoever writes rows (a checkpoint, a sync, a re-ingest) leaves them covered by the chain."""
+        stored = [(run_id, r.get("kind", "train"), int(r["step"]), segment, _canonical(r)) for r in rows]
+        if not stored:
+            return
+        with self.transaction():
+            have = {(r[0], r[1], r[2], r[3]) for r in self.db.execute(
+                "SELECT kind, step, segment, data FROM metrics WHERE run_id=? AND step BETWEEN ? AND ?",
+                (run_id, min(r[2] for r in stored), max(r[2] for r in stored)))}
+            stored = [r for r in stored if r[1:] not in have]  # a repeated sync rewrites nothing
+            if stored:
+                self.db.executemany("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?, ?)", stored)
+                self._append_event(run_id, "metrics", {"segment": segment,
+                                                       "rows": metrics_digest([r[1:] for r in stored])})
+
+    def truncate_metrics(self, run_id: str, after_step: int) -> int:
+        """Delete the run's metric rows after ``after_step`` (work lost with a process); a
+        `metrics_truncated` event records it. Returns how many rows went."""
+        with self.transaction():
+            gone = self.db.execute("DELETE FROM metrics WHERE run_id=? AND step>?", (run_id, after_step)).rowcount
+            if gone:
+                self._append_event(run_id, "metrics_truncated", {"after_step": after_step, "rows": gone})
+        return gone
 
     def metrics(self, run_id: str, kind: str = "train") -> list[dict]:
         rows = self.db.execute("SELECT data, segment FROM metrics WHERE run_id=? AND kind=? ORDER BY step",
                                (run_id, kind)).fetchall()
         return [{**json.loads(r["data"]), "segment": r["segment"]} for r in rows]
 
-    def add_provenance(self, run_id: str, segment: int, data: dict) -> None:
+    def add_provenance(self, run_id: str, segment: int, data: dict) -> str:
+        """Store a segment's provenance; a `provenance` event carries its sha256. Returns the sha256."""
+        text = _canonical(data)
         with self.transaction():
             self.db.execute("INSERT OR REPLACE INTO provenance VALUES (?, ?, ?, ?)",
-                            (run_id, segment, time.time(), _canonical(data)))
+                            (run_id, segment, time.time(), text))
+            self._append_event(run_id, "provenance", {"segment": segment, "sha256": sha256_text(text)})
+        return sha256_text(text)
 
     # -- the queue ---------------------------------------------------------------------------
     def enqueue(self, name: str, job_path: str, job_toml: str, priority: int) -> int:
+        """Queue a job; its `queued` event carries the sha256 of the text the agent will run."""
         with self.transaction():
             cursor = self.db.execute("INSERT INTO queue (name, job_path, job_toml, priority, added, state)"
                                      " VALUES (?, ?, ?, ?, ?, 'queued')", (name, job_path, job_toml, priority, time.time()))
             self._append_event(None, "queued", {"queue_id": cursor.lastrowid, "name": name, "priority": priority,
-                                                "job_path": job_path})
+                                                "job_path": job_path, "job_sha256": sha256_text(job_toml)})
             return cursor.lastrowid
 
-    def queue(self) -> list[dict]:
-        """Queued jobs, the one to start next first (highest priority, then oldest)."""
-        rows = self.db.execute("SELECT * FROM queue WHERE state='queued' ORDER BY priority DESC, added, id")
+    def queue(self, state: str = "queued") -> list[dict]:
+        """Entries in ``state``; for `queued`, the one to start next first (highest priority, then oldest)."""
+        rows = self.db.execute("SELECT * FROM queue WHERE state=? ORDER BY priority DESC, added, id", (state,))
         return [dict(r) for r in rows]
 
-    def take_from_queue(self, queue_id: int, run_id: str) -> bool:
-        """Mark a queued job started by ``run_id``; False if someone else took it first."""
+    def queue_entry(self, queue_id: int) -> dict | None:
+        row = self.db.execute("SELECT * FROM queue WHERE id=?", (queue_id,)).fetchone()
+        return dict(row) if row else None
+
+    def queue_move(self, queue_id: int, kind: str, from_states: tuple[str, ...], event_run: str | None = None,
+                   **data: Any) -> bool:
+        """One queue transition (an event that sets the row), only from ``from_states``; False when the
+        entry is not in one of them (someone else moved it first)."""
         with self.transaction():
-            cursor = self.db.execute("UPDATE queue SET state='started', run_id=? WHERE id=? AND state='queued'",
-                                     (run_id, queue_id))
-            if cursor.rowcount:
-                self._append_event(run_id, "dequeued", {"queue_id": queue_id})
-            return bool(cursor.rowcount)
+            row = self.db.execute("SELECT state FROM queue WHERE id=?", (queue_id,)).fetchone()
+            if row is None or row["state"] not in from_states:
+                return False
+            self._append_event(event_run, kind, {"queue_id": queue_id, **data})
+            return True
+
+    def take_from_queue(self, queue_id: int, run_id: str, agent_pid: int | None = None) -> bool:
+        """queued -> starting: ``run_id`` is the id the run will have; False if someone else took it first."""
+        return self.queue_move(queue_id, "queue_starting", ("queued",), run_id=run_id, agent_pid=agent_pid)
 
     def cancel_queued(self, queue_id: int) -> bool:
-        with self.transaction():
-            cursor = self.db.execute("UPDATE queue SET state='cancelled' WHERE id=? AND state='queued'", (queue_id,))
-            if cursor.rowcount:
-                self._append_event(None, "unqueued", {"queue_id": queue_id})
-            return bool(cursor.rowcount)
+        return self.queue_move(queue_id, "unqueued", ("queued",))
+
+    def queue_text_problem(self, queue_id: int, text: str | None = None) -> str | None:
+        """Why entry ``queue_id``'s job text (or ``text``, the copy about to run) is not what was
+        queued; None when it matches the sha256 its `queued` event carries."""
+        entry = self.queue_entry(queue_id)
+        if entry is None:
+            return f"no queue entry #{queue_id}"
+        text = entry["job_toml"] if text is None else text
+        for e in self._events_of_kinds(("queued",)):
+            data = json.loads(e["data"])
+            if data.get("queue_id") != queue_id:
+                continue
+            if event_hash(e["prev_hash"], e["seq"], e["run_id"], e["time"], e["kind"], e["data"]) != e["hash"]:
+                return f"its `queued` event (row {e['seq']}) does not match its own hash (edited)"
+            if data.get("job_sha256") is None:
+                return ("it was queued before lodger recorded the sha256 of queued jobs; remove it "
+                        f"(`lodger queue rm {queue_id}`) and queue the job again")
+            if data["job_sha256"] != sha256_text(text):
+                return (f"its job text (sha256 {sha256_text(text)}) is not the text that was queued "
+                        f"(sha256 {data['job_sha256']}, event row {e['seq']}): it was edited in the ledger")
+            return None
+        return "no `queued` event records it (the entry was inserted outside lodger)"
+
+    def _events_of_kinds(self, kinds: tuple[str, ...]) -> list[sqlite3.Row]:
+        marks = ", ".join("?" * len(kinds))
+        return self.db.execute(f"SELECT * FROM events WHERE kind IN ({marks}) ORDER BY seq", kinds).fetchall()
+
+    # -- datasets (rows written by their events: records.apply) ------------------------------
+    def datasets(self) -> list[dict]:
+        return [dict(r) for r in self.db.execute("SELECT * FROM datasets ORDER BY name")]
+
+    def dataset_problems(self) -> list[RecordProblem]:
+        """Dataset rows that disagree with the chain's dataset events (which must match their own
+        hashes): what the gate refuses to trust."""
+        rows = self._events_of_kinds(records.DATASET_KINDS)
+        problems = [RecordProblem("datasets", f"dataset {json.loads(e['data']).get('name')!r}",
+                                  f"its `{e['kind']}` event (row {e['seq']}) does not match its own hash (edited)",
+                                  seq=e["seq"])
+                    for e in rows if event_hash(e["prev_hash"], e["seq"], e["run_id"], e["time"], e["kind"],
+                                                e["data"]) != e["hash"]]
+        derived = records.Records().replay([dict(e) for e in rows])
+        return problems + derived.compare_datasets(self.datasets())
+
+    # -- what the chain covers ---------------------------------------------------------------
+    def chain_targets(self) -> dict[str, dict]:
+        """Each target as its last `target_added` event recorded it (removed ones left out)."""
+        derived = records.Records().replay([dict(e) for e in self._events_of_kinds(("target_added", "target_removed"))])
+        return {name: t["target"] for name, t in derived.targets.items()}
+
+    def audit_records(self, targets: dict[str, dict] | None = None) -> list[RecordProblem]:
+        """Recompute every table from the chain; each row that disagrees, with table, run and step.
+
+        ``targets``: targets.toml as JSON-ready dicts, to compare with the chain (None: skip)."""
+        self.db.execute("BEGIN")  # one snapshot of the chain and every table
+        try:
+            events = [dict(r) for r in self.db.execute("SELECT * FROM events ORDER BY seq")]
+            since = self.db.execute("SELECT since_seq FROM chain_records WHERE id=1").fetchone()
+            runs = [dict(r) for r in self.db.execute("SELECT * FROM runs")]
+            metrics = [tuple(r) for r in self.db.execute("SELECT run_id, kind, step, segment, data FROM metrics")]
+            prov = [tuple(r) for r in self.db.execute("SELECT run_id, segment, data FROM provenance")]
+            datasets, queue = self.datasets(), [dict(r) for r in self.db.execute("SELECT * FROM queue")]
+        finally:
+            self.db.execute("COMMIT")
+        derived = records.Records(since_seq=since[0] if since else 0).replay(events)
+        problems = (derived.compare_runs(runs) + derived.compare_metrics(metrics) + derived.compare_provenance(prov)
+                    + derived.compare_datasets(datasets) + derived.compare_queue(queue))
+        if targets is not None:
+            problems += derived.compare_targets(targets)
+        return problems
+
+    def last_event(self, run_id: str, kind: str) -> dict | None:
+        row = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? ORDER BY seq DESC LIMIT 1",
+                              (run_id, kind)).fetchone()
+        return {**dict(row), "data": json.loads(row["data"])} if row else None
 
     def provenance(self, run_id: str) -> list[dict]:
         rows = self.db.execute("SELECT segment, data FROM provenance WHERE run_id=? ORDER BY segment",

@@ -82,4 +82,11 @@ MIGRATIONS: list[tuple[str, str]] = [
         ALTER TABLE runs ADD COLUMN remote TEXT;
         ALTER TABLE runs ADD COLUMN remote_seq INTEGER NOT NULL DEFAULT 0;
     """),
+    ("0005_every_record_chained", """
+        ALTER TABLE queue ADD COLUMN agent_pid INTEGER;
+        ALTER TABLE queue ADD COLUMN starting_at REAL;
+        CREATE INDEX events_kind ON events(kind, seq);
+        CREATE TABLE chain_records (id INTEGER PRIMARY KEY CHECK (id = 1), since_seq INTEGER NOT NULL);
+        INSERT INTO chain_records SELECT 1, COALESCE(MAX(seq), 0) FROM events
+    """),
 ]

@@ -140,7 +140,9 @@ def submit(plan) -> str:
         raise RemoteError("[training] threads: set it explicitly for a remote job (exactness depends on it)")
     name = job.name or Path(plan.job_path).stem
     run_id = new_run_id(name)
-    remote_job, job_sha256 = _stage(plan, storage, run_id)
+    with Ledger() as ledger:
+        head = ledger.head()  # the chain as it was when this left: staged with it and recorded below
+    remote_job, job_sha256 = _stage(plan, storage, run_id, head)
     # `lodger sync` and `lodger resume` refuse a job.toml in storage that no longer has this hash.
     info = {"address": target.address, "storage": str(storage), "dir": str(storage / run_id),
             "python": target.python or _local_python(), "cost_per_gpu_hour": target.cost_per_gpu_hour,
@@ -163,7 +165,7 @@ def submit(plan) -> str:
         ledger.set_status(run_id, "submitted", "remote_submitted", target=plan.target_name,
                           address=target.address, submission_id=submission_id, storage=info["dir"],
                           job_sha256=job_sha256, files=leaving, estimate=plan.estimate, cost=plan.cost,
-                          datasets=plan.datasets)
+                          datasets=plan.datasets, chain_head=head)
     return run_id
 
 
@@ -186,7 +188,7 @@ def _total_steps(job) -> int:
     return total_steps(job, rows)
 
 
-def _stage(plan, storage: Path, run_id: str):
+def _stage(plan, storage: Path, run_id: str, head: dict | None = None):
     """Copy what leaves into ``<storage>/<run_id>/`` and write the job that points at the copies;
     return that job and the sha256 of its job.toml."""
     from ..checkpoint import hash_file
@@ -223,6 +225,8 @@ def _stage(plan, storage: Path, run_id: str):
             job.model.source = str(final / "model" / model.name)
         staged = to_toml(job.resolved_dict()).encode()
         durable.write_file(tmp / "job.toml", staged)
+        if head is not None:  # whoever holds the staged job can check this head against the owner's ledger
+            durable.write_file(tmp / "chain_head.json", json.dumps(head, sort_keys=True).encode())
         durable.fsync_dir(tmp)
         durable.rename(tmp, final)
         durable.fsync_dir(storage)
