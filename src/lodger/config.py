@@ -230,11 +230,26 @@ def _fix_for(error: dict[str, Any], model_fields: dict[str, Any]) -> str:
         return "add it"
     if kind == "literal_error":
         return "use one of the allowed values"
-    return "change the value"
+    return _TYPE_FIXES.get(kind, "change the value")
 
 
-def _section_fields(loc: tuple[Any, ...]) -> dict[str, Any]:
-    model: type[BaseModel] = JobConfig
+_TYPE_FIXES = {
+    "int_type": "write a whole number without quotes (e.g. 4)",
+    "float_type": "write a number without quotes (e.g. 0.5)",
+    "string_type": "write it as a string in quotes",
+    "bool_type": "write true or false (without quotes)",
+    "list_type": "write a list, e.g. [\"a\", \"b\"]",
+    "dict_type": "write it as a table [section] with its keys below",
+    "model_type": "write it as a table [section] with its keys below",
+    "finite_number": "write a finite number (not nan or inf)",
+    "greater_than": "use a larger value", "greater_than_equal": "use a larger value",
+    "less_than": "use a smaller value", "less_than_equal": "use a smaller value",
+}
+"""The fix for pydantic's common error kinds (the message already says what is wrong)."""
+
+
+def _section_fields(loc: tuple[Any, ...], model: type[BaseModel] | None = None) -> dict[str, Any]:
+    model = model or JobConfig
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         annotation = getattr(field, "annotation", None)
@@ -245,7 +260,9 @@ def _section_fields(loc: tuple[Any, ...]) -> dict[str, Any]:
     return model.model_fields
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> str:
+    """One problem as `[section] key = value: reason; fix: ...`; ``model`` is what ``loc`` starts in
+    (default: the job file)."""
     loc = tuple(error["loc"])
     section = ".".join(str(p) for p in loc[:-1])
     key = f"[{section}] {loc[-1]}" if section else (str(loc[-1]) if loc else "(file)")
@@ -255,7 +272,7 @@ def _describe(error: dict[str, Any]) -> str:
     value = error.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"
     message = error["msg"].removeprefix("Value error, ")
-    return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc))}"
+    return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc, model))}"
 
 
 def _cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
@@ -346,9 +363,17 @@ class DatasetPolicyConfig(_Section):
     `strict` refuses the job (register the file with `lodger data add`)."""
 
 
+class AgentSettings(_Section):
+    """[agent] in $LODGER_HOME/config.toml: how `lodger agent` shares the machine between runs."""
+
+    max_concurrent: Int = Field(1, ge=1, le=1024)
+    """Runs the agent lets train side by side at most (when their threads fit on the cores);
+    `lodger agent --max-concurrent N` overrides it."""
+
+
 USER_SECTIONS = {"policy": PolicyConfig, "limits": LimitsConfig}
 """Sections of config.toml whose keys are defaults for the job's sections of the same name."""
-USER_ONLY_SECTIONS = {"datasets": DatasetPolicyConfig}
+USER_ONLY_SECTIONS = {"datasets": DatasetPolicyConfig, "agent": AgentSettings}
 """Sections of config.toml that are the user's own settings, not job defaults."""
 
 
@@ -363,16 +388,17 @@ def user_defaults() -> dict[str, dict[str, Any]]:
     raw = _read_toml(path, "user settings file")
     problems = []
     for section, table in raw.items():
-        if section == "agent":
-            continue
         model = USER_SECTIONS.get(section) or USER_ONLY_SECTIONS.get(section)
         if model is None:
             problems.append(f"[{section}]: unknown section; fix: use [policy], [limits], [datasets] or [agent]")
             continue
+        if not isinstance(table, dict):
+            problems.append(f"{section} = {table!r}: expected a table; fix: write `[{section}]` with its keys below")
+            continue
         try:
             model.model_validate(table)
         except ValidationError as exc:
-            problems += [f"[{section}] " + _describe({**e, "loc": e["loc"]}).removeprefix("[") for e in exc.errors()]
+            problems += [f"[{section}] " + _describe(e, model).removeprefix("[") for e in exc.errors()]
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise JobFileError(f"{path}: {len(problems)} problem(s) in the user settings:\n{listed}")

@@ -6,13 +6,12 @@ job against it, and `remote/` runs an approved job there. No torch, no ray.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError
 
-from .config import Float, Int, _describe, _Section, _toml_value
+from .config import Float, Int, _describe, _read_toml, _Section, _toml_value
 from .errors import JobFileError, LodgerError
 from .home import home
 
@@ -64,21 +63,33 @@ def targets_path() -> Path:
 def load_targets() -> dict[str, Target]:
     """Every target in the user's file, validated; one error lists every problem."""
     path = targets_path()
-    if not path.is_file():
+    if not path.exists():
         return {}
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise TargetError(f"{path}: cannot read the targets file: {exc}") from None
+        raw = _read_toml(path, "targets file")
+    except JobFileError as exc:
+        raise TargetError(str(exc)) from None
     targets, problems = {}, []
-    for name, table in raw.get("targets", {}).items():
+    for key in raw.keys() - {"targets"}:
+        problems.append(f"{key}: unknown key; every target is a table `[targets.NAME]`; fix: move it under "
+                        "one or remove it")
+    tables = raw.get("targets", {})
+    if not isinstance(tables, dict):
+        problems.append(f"targets = {tables!r}: expected tables `[targets.NAME]`; fix: write each target as "
+                        "`[targets.NAME]` with its keys below (or use `lodger target add`)")
+        tables = {}
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            problems.append(f"targets.{name} = {table!r}: expected a table; fix: write `[targets.{name}]` "
+                            "with its keys below")
+            continue
         try:
             targets[name] = Target.model_validate(table)
         except ValidationError as exc:
-            problems += [f"[targets.{name}] " + _describe(e).removeprefix("[") for e in exc.errors()]
+            problems += [f"[targets.{name}] " + _describe(e, Target).removeprefix("[") for e in exc.errors()]
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
-        raise TargetError(f"{path}: {len(problems)} problem(s):\n{listed}")
+        raise TargetError(f"{path}: {len(problems)} problem(s) in the targets file; edit it to fix them:\n{listed}")
     return targets
 
 
@@ -115,7 +126,7 @@ def add_target(name: str, settings: dict, *, replace: bool = False) -> Target:
     try:
         target = Target.model_validate({k: v for k, v in settings.items() if v is not None})
     except ValidationError as exc:
-        problems = [_describe(e) for e in exc.errors()]
+        problems = [_describe(e, Target) for e in exc.errors()]
         listed = "\n".join(f"  - {p}" for p in problems)
         raise TargetError(f"target {name!r}: {len(problems)} problem(s) (each key is the option of the same "
                           f"name, `_` written `-`):\n{listed}") from None

@@ -27,8 +27,10 @@ def agent(interval: float, max_concurrent: int | None, for_seconds: float | None
     import signal
 
     from ..agent import Agent, AgentLock
+    from ..config import user_defaults
     from ..ledger import Ledger
 
+    user_defaults()  # a bad config.toml is refused before the agent takes its lock or records a start
     lock = AgentLock()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     with Ledger() as ledger:
@@ -130,6 +132,9 @@ def start_queued(queue_id: int) -> None:
             raise
         with ledger.transaction():
             ledger.db.execute("UPDATE queue SET run_id=? WHERE id=?", (run_id, queue_id))
+    from .crash import log_to_run
+
+    log_to_run(run_id)
     execute(run_id, prepared, resuming=False, quiet=True)
 
 

@@ -1,4 +1,4 @@
-"""Entry point: the command group, and the one place a LodgerError becomes a message and an exit code."""
+"""Entry point: the command group, and the one place an error becomes a message and an exit code."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ import click
 from ..errors import LodgerError
 
 
+UNEXPECTED_EXIT = 2
+"""Exit code of a failure lodger did not foresee (its traceback goes to a log file, not the terminal)."""
+
+
 class LodgerGroup(click.Group):
-    """Runs a command and turns lodger's own errors into `error: ...` and their exit code."""
+    """Runs a command and turns lodger's own errors into `error: ...` and their exit code; any other
+    exception into one line naming the command and a log file holding the traceback."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -19,6 +24,16 @@ class LodgerGroup(click.Group):
         except LodgerError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except (click.ClickException, click.exceptions.Abort, click.exceptions.Exit):
+            raise  # click's own usage errors and exits keep click's message and code
+        except BrokenPipeError:  # `lodger ls | head`: the reader left; nothing to report
+            sys.stderr.close()
+            os._exit(1)
+        except Exception as exc:
+            from .crash import report_unexpected
+
+            click.echo(report_unexpected(exc, ctx), err=True)
+            sys.exit(UNEXPECTED_EXIT)
 
 
 @click.group(cls=LodgerGroup, context_settings={"help_option_names": ["-h", "--help"]})
