@@ -87,9 +87,12 @@ def _detach(run_id: str, fresh: bool, extra: list[str] | None = None) -> None:
                    "another number of processes.")
 @click.option("--quiet", is_flag=True, help="Only errors on the terminal.")
 @click.option("--detach", is_flag=True, help="Continue in the background.")
-def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool, detach: bool) -> None:
+@click.option("--force", is_flag=True, help="Resume even if the memory estimate says it will not fit (recorded).")
+def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool, detach: bool,
+           force: bool) -> None:
     """Continue RUN: a held run where it stands, a stopped one from its newest good checkpoint.
 
+    A stopped run passes the same memory pre-flight as `lodger run` before anything changes.
     Damaged checkpoints are reported, moved aside and skipped. On the same machine, threads and
     library versions the result is bitwise identical to an uninterrupted run; otherwise lodger
     warns and records the drift. A data-parallel run resumes only with the number of processes
@@ -124,6 +127,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]
             click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
             return
+        prepared = _prepare_resume(ledger, run["id"], threads, world_size, force)
         for requester in ("user", "agent"):  # the owner asked for it: earlier pause requests are void
             clear_request(folder, requester)
         if detach:
@@ -133,10 +137,21 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
         extra = ([f"--threads={threads}"] if threads else []) + ([f"--world-size={world_size}"] if world_size else [])
         _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(), extra=extra)
         return
-    from ..session import execute, resume_prepared
+    from ..session import execute
 
-    prepared = resume_prepared(run["id"], threads, world_size)
     execute(run["id"], prepared, resuming=True, quiet=quiet)
+
+
+def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | None, force: bool):
+    """Validate the run's job, data and model again and run `lodger run`'s memory pre-flight, before
+    anything is written (the data, the machine or config.toml's [limits] may have changed since)."""
+    from ..session import preflight, resume_prepared
+
+    prepared = resume_prepared(run_id, threads, world_size)
+    memory = preflight(prepared, force)
+    if memory["forced"]:
+        ledger.event(run_id, "preflight_forced", memory_estimate=memory)
+    return prepared
 
 
 COMMANDS = [init, run, resume]
