@@ -268,11 +268,20 @@ def _describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> st
     key = f"[{section}] {loc[-1]}" if section else (str(loc[-1]) if loc else "(file)")
     if error["type"] == "missing":
         where = f"[{section}] " if section else ""
+        annotation = getattr(_section_fields(loc, model).get(str(loc[-1])) if loc else None, "annotation", None)
+        if not section and isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            needs = _SECTION_NEEDS.get(str(loc[-1])) or ", ".join(
+                f"{k} = ..." for k, f in annotation.model_fields.items() if f.is_required())
+            return f"[{loc[-1]}]: missing section; add it" + (f" with {needs}" if needs else "")
         return f"{where}{loc[-1]}: missing; add it" if loc else "missing value"
     value = error.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"
     message = error["msg"].removeprefix("Value error, ")
     return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc, model))}"
+
+
+_SECTION_NEEDS = {"data": 'train = "FILE.jsonl"', "training": "steps = N (or epochs = N)"}
+"""What a missing section needs at least, for the error that says it is missing."""
 
 
 def _cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
@@ -327,7 +336,9 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as exc:
-        problems += [p for p in map(_describe, exc.errors()) if "`steps` or `epochs`" not in p]
+        # _cross_checks reported steps/epochs already, by key
+        problems += [p for p in map(_describe, exc.errors()) if "`steps` or `epochs`" not in p
+                     and "give `steps = N` or `epochs = N`" not in p]
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}") from None

@@ -155,13 +155,13 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 
 def load_tokenizer(folder: Path):
     """The folder's tokenizer; a folder without one is the user's error, named, not a traceback."""
-    from transformers import AutoTokenizer
-
     folder = Path(folder)
     if not any((folder / name).is_file() for name in VOCABULARY_FILES):
         raise ModelSourceError(f"[model] source: {folder} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}); "
                                "copy the tokenizer files of the model into it (e.g. "
                                "`tokenizer.save_pretrained(folder)`)")
+    from transformers import AutoTokenizer
+
     quiet_transformers()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

@@ -67,7 +67,7 @@ _register()
 
 
 def main() -> None:
-    cli()
+    cli(prog_name="lodger")  # also when started as `python -m lodger.cli.main` (workers, ranks)
 
 
 if __name__ == "__main__":
