@@ -754,6 +754,8 @@ def test_an_unexpected_exception_is_one_line_naming_a_private_log_with_the_trace
     text = log.read_text()
     assert "Traceback (most recent call last)" in text and "IsADirectoryError" in text and "metrics.jsonl" in text
     assert f"resume {run_id}" in text, "the log names the command that failed"
+    assert "error: unexpected IsADirectoryError" in (lodger_home / "runs" / run_id / "log.txt").read_text(), \
+        "`lodger logs RUN` shows it too"
 
 
 def test_a_background_workers_unexpected_exception_ends_up_in_the_runs_log(tiny_killed_run, lodger_home):

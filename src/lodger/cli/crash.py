@@ -31,6 +31,17 @@ def log_to_run(run_id: str) -> None:
         ctx.meta[RUN_LOG] = run_dir(run_id) / "log.txt"
 
 
+def reader_left(exc: Exception) -> bool:
+    """Whether ``exc`` only says that whoever read our stdout has gone (a closed pipe), not a bug."""
+    if not isinstance(exc, BrokenPipeError):
+        return False
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    return False
+
+
 def _logs_dir() -> Path:
     """$LODGER_HOME/logs (0700); when the home itself is unusable, a private folder in the temp dir."""
     try:

@@ -26,12 +26,11 @@ class LodgerGroup(click.Group):
             sys.exit(exc.exit_code)
         except (click.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise  # click's own usage errors and exits keep click's message and code
-        except BrokenPipeError:  # `lodger ls | head`: the reader left; nothing to report
-            sys.stderr.close()
-            os._exit(1)
         except Exception as exc:
-            from .crash import report_unexpected
+            from .crash import reader_left, report_unexpected
 
+            if reader_left(exc):  # `lodger ls | head`: nothing went wrong, nobody reads the rest
+                os._exit(1)
             click.echo(report_unexpected(exc, ctx), err=True)
             sys.exit(UNEXPECTED_EXIT)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..errors import JobFileError, RunStateError
+from .crash import log_to_run
 
 
 @click.command()
@@ -56,6 +57,7 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     from ..session import create_run, execute
 
     run_id, prepared = create_run(job, threads, managed=detach, force=force)
+    log_to_run(run_id)
     click.echo(f"run {run_id}")
     for use in prepared.job.data_uses():
         if use.dataset is None:  # allowed by the default policy; recorded in the run's provenance
@@ -139,6 +141,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
         return
     from ..session import execute
 
+    log_to_run(run["id"])
     execute(run["id"], prepared, resuming=True, quiet=quiet)
 
 
