@@ -355,11 +355,16 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
 
 def _read_toml(path: Path, what: str) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise JobFileError(f"{path}: no such {what}; create one with `lodger init {path}`") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise JobFileError(f"{path}: cannot read the {what}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise JobFileError(f"{path}: cannot read the {what}: line {line} is not valid UTF-8 (byte "
+                           f"0x{raw[exc.start]:02x}); save the file as UTF-8") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -175,7 +175,7 @@ def job_bad_toml_syntax(w):
 def job_not_utf8(w):
     job = w.tmp / "job.toml"
     job.write_bytes(b'name = "caf\xe9"\n')
-    return ["run", job], [str(job), "cannot read the job file", "utf-8"]
+    return ["run", job], [str(job), "line 1 is not valid UTF-8", "0xe9", "save the file as UTF-8"]
 
 
 @case
