@@ -28,7 +28,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    source: str = "smollm2-135m-instruct"
+    source: str = Field("smollm2-135m-instruct", min_length=1)
     """The base model: the alias `smollm2-135m-instruct`, a local Hugging Face folder (config.json +
     safetensors), or a .gguf file. Nothing is ever downloaded."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from .config import Float, Int, _describe, _read_toml, _Section, _toml_value
 from .errors import JobFileError, LodgerError
@@ -48,6 +48,13 @@ class Target(_Section):
     tflops: Float | None = Field(None, gt=0)
     """Sustained matmul TFLOP/s one training process reaches there (one GPU, or a node's CPUs),
     for the time estimate. Left out: this machine's measured rate (pessimistic for GPUs)."""
+
+    @field_validator("address")
+    @classmethod
+    def _an_http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")) or len(value.split()) != 1:
+            raise ValueError("not an http(s) URL; use the Ray dashboard's, e.g. http://10.0.0.5:8265")
+        return value
 
 
 class TargetError(LodgerError):

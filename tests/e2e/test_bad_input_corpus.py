@@ -38,6 +38,7 @@ class World:
     models: dict[str, Path]
     train: Path
     eval: Path
+    env: dict[str, str]
 
     def job(self, name: str = "job.toml", **overrides) -> Path:
         args = dict(model=self.model, train=self.train, eval=self.eval, steps=4)
@@ -355,6 +356,11 @@ def model_folder_without_tokenizer(w):
 
 
 @case
+def model_source_empty(w):
+    return ["run", w.job(model="")], ["[model] source = ''", "fix:"]
+
+
+@case
 def model_source_is_a_text_file(w):
     path = w.tmp / "model.txt"
     path.write_text("not a model")
@@ -411,6 +417,14 @@ def config_section_not_a_table(w):
     return ["agent", "--for-seconds", "0.1"], [str(path), "agent = 3", "expected a table"]
 
 
+@case
+def home_is_a_file(w):
+    path = w.tmp / "home-file"
+    path.write_text("")
+    w.env["LODGER_HOME"] = str(path)
+    return ["ls"], [f"LODGER_HOME={path} is a file", "point LODGER_HOME at a folder"]
+
+
 # -- $LODGER_HOME/targets.toml ---------------------------------------------------------------------
 
 def _targets(w: World, text: str) -> Path:
@@ -459,6 +473,12 @@ def submit_to_an_unknown_target(w):
 def target_add_with_a_bad_name(w):
     return (["target", "add", "bad name!", "--address", "http://127.0.0.1:1", "--storage", str(w.tmp)],
             ["bad name!", "letters, digits"])
+
+
+@case
+def target_add_with_an_address_that_is_not_a_url(w):
+    return (["target", "add", "lab", "--address", "10.0.0.5 8265", "--storage", str(w.tmp)],
+            ["address = '10.0.0.5 8265'", "http(s) URL", "http://10.0.0.5:8265"])
 
 
 # -- run ids ---------------------------------------------------------------------------------------
@@ -594,12 +614,13 @@ def test_bad_input_is_refused_by_name_with_nothing_written(name, tmp_path, lodge
     work.mkdir()
     data = tmp_path / "data"
     world = World(work, lodger_home, tiny_model_dir, model_variants,
-                  write_chat_jsonl(data / "train.jsonl", 16, seed=0), write_chat_jsonl(data / "eval.jsonl", 4, seed=1))
+                  write_chat_jsonl(data / "train.jsonl", 16, seed=0), write_chat_jsonl(data / "eval.jsonl", 4, seed=1),
+                  lodger_env(lodger_home))
     args, culprits = CASES[name](world)
     before_rows, before_runs = ledger_counts(lodger_home), run_folders(lodger_home)
     files_before = {p: p.read_bytes() for p in (lodger_home / "config.toml", lodger_home / "targets.toml")
                     if p.is_file()}
-    result = run_lodger(args, lodger_env(lodger_home), cwd=work)
+    result = run_lodger(args, world.env, cwd=work)
     assert_clean_refusal(result, culprits, lodger_home)
     assert run_folders(lodger_home) == before_runs, "a refused command left a run folder behind"
     after_rows = ledger_counts(lodger_home)

@@ -49,6 +49,10 @@ def cli() -> None:
     lodger data add FILE ...       register a dataset and what it may do
     lodger submit JOB --target T   the gate to remote compute
     """
+    root = os.environ.get("LODGER_HOME")
+    if root and os.path.exists(os.path.expanduser(root)) and not os.path.isdir(os.path.expanduser(root)):
+        raise LodgerError(f"LODGER_HOME={root} is a file, not a folder; point LODGER_HOME at a folder "
+                          "(or unset it to use ~/.lodger)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # lodger never downloads
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
