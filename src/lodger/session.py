@@ -781,7 +781,11 @@ def _write_provenance_json(folder: Path, segments: list[dict]) -> None:
 
 def resume_prepared(run_id: str, threads: int | None = None, world_size: int | None = None) -> Prepared:
     """Re-validate a run's recorded job for resuming (optionally at another thread count or world size)."""
-    job = load_job(run_dir(run_id) / JOB_FILE)
+    path = run_dir(run_id) / JOB_FILE
+    if not path.exists():
+        raise RunStateError(f"run {run_id}: its job file {path} is missing; the ledger holds a copy "
+                            f"(`job_toml` in `lodger show {run_id} --json`): write it back to that path")
+    job = load_job(path)
     if threads is not None:
         job.training.threads = threads
     if world_size is not None:

@@ -331,6 +331,39 @@ def data_unknown_dataset_name(w):
     return ["run", job], ["[data] train", "nope", "lodger data add"]
 
 
+def _register(w: World, path: Path, name: str = "corpus") -> None:
+    result = run_lodger(["data", "add", path, "--name", name, "--license", "MIT", "--owner", "me"], w.env)
+    assert result.returncode == 0, describe(result)
+
+
+@case
+def dataset_file_gone(w):
+    data = w.tmp / "registered.jsonl"
+    shutil.copyfile(w.train, data)
+    _register(w, data)
+    data.unlink()
+    return ["run", w.job(train="dataset:corpus")], ["[data] train = 'dataset:corpus'", "not there any more", "--update"]
+
+
+@case
+def dataset_changed_since_registration(w):
+    data = w.tmp / "registered.jsonl"
+    shutil.copyfile(w.train, data)
+    _register(w, data)
+    data.write_bytes(data.read_bytes() + data.read_bytes().splitlines(keepends=True)[0])
+    return ["run", w.job(train="dataset:corpus")], [str(data), "changed since it was registered", "--update"]
+
+
+@case
+def dataset_that_may_not_train(w):
+    data = w.tmp / "registered.jsonl"
+    shutil.copyfile(w.train, data)
+    _register(w, data)
+    result = run_lodger(["data", "revoke", "corpus", "--train"], w.env)
+    assert result.returncode == 0, describe(result)
+    return ["run", w.job(train="dataset:corpus")], ["dataset:corpus", "may not train models", "lodger data grant corpus --train"]
+
+
 # -- model sources -------------------------------------------------------------------------------
 
 @case
@@ -707,7 +740,45 @@ def _garbage_manifest(step: Path) -> str:
 DAMAGES = {f.__name__.lstrip("_"): f for f in (_truncate_tensors, _manifest_names_a_missing_file, _state_lacks_a_key,
                                                 _state_lacks_a_progress_key, _tensor_file_garbage_that_verifies,
                                                 _garbage_manifest)}
-OTHER_RUN_CASES = ("resume_over_the_memory_limit",)
+
+
+def _memory_limit_lowered_since(home: Path, folder: Path) -> list[str]:
+    (home / "config.toml").write_text("[limits]\nmemory_gb = 0.05\n")  # the job left memory_gb to config.toml
+    return ["needs an estimated", "[limits] memory_gb", "0.05 GiB", "--force"]
+
+
+def _training_data_changed_since(home: Path, folder: Path) -> list[str]:
+    job = folder / "job.toml"
+    text = job.read_text()
+    original = Path(next(line for line in text.splitlines() if line.startswith("train = ")).split('"')[1])
+    changed = home.parent / "changed.jsonl"
+    changed.write_bytes(original.read_bytes() + original.read_bytes().splitlines(keepends=True)[0])
+    job.write_text(text.replace(str(original), str(changed)))
+    return ["[data] train", str(changed), "changed since the run trained on it", "restore the original file"]
+
+
+def _model_changed_since(home: Path, folder: Path) -> list[str]:
+    job = folder / "job.toml"
+    text = job.read_text()
+    original = Path(next(line for line in text.splitlines() if line.startswith("source = ")).split('"')[1])
+    changed = shutil.copytree(original, home.parent / "model-edited")
+    (changed / "generation_config.json").write_text("{}")
+    job.write_text(text.replace(str(original), str(changed)))
+    return ["[model] source", str(changed), "changed since the run trained on it"]
+
+
+def _job_file_damaged(home: Path, folder: Path) -> list[str]:
+    (folder / "job.toml").write_text("[training\n")
+    return [str(folder / "job.toml"), "not valid TOML", "line 1"]
+
+
+def _job_file_deleted(home: Path, folder: Path) -> list[str]:
+    (folder / "job.toml").unlink()
+    return [str(folder / "job.toml"), "is missing", "job_toml"]
+
+
+RESUME_REFUSALS = {f.__name__.lstrip("_"): f for f in (_memory_limit_lowered_since, _training_data_changed_since,
+                                                        _model_changed_since, _job_file_damaged, _job_file_deleted)}
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
@@ -727,23 +798,29 @@ def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_the_previous_one_u
     assert not (lodger_home / "logs").exists(), "a damaged checkpoint is expected, not a crash"
 
 
-def test_resume_runs_the_same_memory_preflight_as_run(tiny_killed_run, lodger_home):
+def _run_row(home: Path, run_id: str) -> tuple:
+    with sqlite3.connect(f"file:{home / 'ledger.db'}?mode=ro", uri=True) as db:
+        return db.execute("SELECT status, step, segment, pid, managed FROM runs WHERE id=?", (run_id,)).fetchone()
+
+
+@pytest.mark.parametrize("refusal", sorted(RESUME_REFUSALS))
+def test_resume_refuses_what_changed_since_before_anything_is_written(refusal, tiny_killed_run, lodger_home):
+    """Including `lodger run`'s memory pre-flight: a resume is checked as a new start is."""
     src, run_id = tiny_killed_run
     shutil.copytree(src, lodger_home, dirs_exist_ok=True)
-    (lodger_home / "config.toml").write_text("[limits]\nmemory_gb = 0.05\n")  # changed since the run started
     folder = lodger_home / "runs" / run_id
-    before = (ledger_counts(lodger_home), sorted(p.name for p in folder.rglob("*")))
+    culprits = RESUME_REFUSALS[refusal](lodger_home, folder)
+    before = (ledger_counts(lodger_home), _run_row(lodger_home, run_id), sorted(p.name for p in folder.rglob("*")))
     result = run_lodger(["resume", run_id], lodger_env(lodger_home))
-    assert_clean_refusal(result, ["needs an estimated", "[limits] memory_gb", "0.05 GiB", "--force"], lodger_home)
-    assert result.returncode == 2
-    assert (ledger_counts(lodger_home), sorted(p.name for p in folder.rglob("*"))) == before, \
-        "a refused resume wrote something"
+    assert_clean_refusal(result, culprits, lodger_home)
+    after = (ledger_counts(lodger_home), _run_row(lodger_home, run_id), sorted(p.name for p in folder.rglob("*")))
+    assert after == before, "a refused resume wrote something"
 
 
 def test_the_corpus_holds_at_least_forty_bad_inputs():
-    total = len(CASES) + len(DAMAGES) + len(OTHER_RUN_CASES)
+    total = len(CASES) + len(DAMAGES) + len(RESUME_REFUSALS)
     print(f"\nbad-input corpus: {total} cases ({len(CASES)} refused before any model loads, "
-          f"{len(DAMAGES)} damaged checkpoints, {len(OTHER_RUN_CASES)} resume pre-flight)")
+          f"{len(DAMAGES)} damaged checkpoints, {len(RESUME_REFUSALS)} resumes refused)")
     assert total >= 40, total
 
 

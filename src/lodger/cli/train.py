@@ -151,10 +151,32 @@ def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | 
     from ..session import preflight, resume_prepared
 
     prepared = resume_prepared(run_id, threads, world_size)
+    _refuse_changed_inputs(ledger, run_id, prepared)
     memory = preflight(prepared, force)
     if memory["forced"]:
         ledger.event(run_id, "preflight_forced", memory_estimate=memory)
     return prepared
+
+
+def _refuse_changed_inputs(ledger, run_id: str, prepared) -> None:
+    """Data or model that differ from what the run recorded are refused now, with the file named,
+    not after the model loaded (the checkpoint's own record is checked again when it is restored)."""
+    segments = ledger.provenance(run_id)
+    if not segments:
+        return
+    recorded = segments[-1]
+    now = {"train": prepared.train_file, "eval": prepared.eval_file}
+    for role, file in now.items():
+        was = (recorded.get("data", {}).get(role) or {}).get("sha256")
+        if was and was != (file.sha256 if file else None):
+            raise RunStateError(f"run {run_id}: [data] {role} {file.path if file else '(none)'} changed since the run "
+                                f"trained on it (sha256 {was}, now {file.sha256 if file else None}); restore the "
+                                "original file, or start a new run with `lodger run`")
+    was = recorded.get("model", {}).get("sha256")
+    if was and was != prepared.source.sha256:
+        raise RunStateError(f"run {run_id}: [model] source {prepared.source.spec} changed since the run trained on it "
+                            f"(sha256 {was}, now {prepared.source.sha256}); restore the original model files, or "
+                            "start a new run with `lodger run`")
 
 
 COMMANDS = [init, run, resume]
