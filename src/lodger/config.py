@@ -234,18 +234,12 @@ def _fix_for(error: dict[str, Any], model_fields: dict[str, Any]) -> str:
 
 
 _TYPE_FIXES = {
-    "int_type": "write a whole number without quotes (e.g. 4)",
-    "float_type": "write a number without quotes (e.g. 0.5)",
-    "string_type": "write it as a string in quotes",
-    "bool_type": "write true or false (without quotes)",
-    "list_type": "write a list, e.g. [\"a\", \"b\"]",
-    "dict_type": "write it as a table [section] with its keys below",
-    "model_type": "write it as a table [section] with its keys below",
-    "finite_number": "write a finite number (not nan or inf)",
-    "greater_than": "use a larger value", "greater_than_equal": "use a larger value",
-    "less_than": "use a smaller value", "less_than_equal": "use a smaller value",
-}
-"""The fix for pydantic's common error kinds (the message already says what is wrong)."""
+    "int_type": "write a whole number without quotes (e.g. 4)", "float_type": "write a number without quotes (e.g. 0.5)",
+    "string_type": "write it as a string in quotes", "bool_type": "write true or false (without quotes)",
+    "list_type": "write a list, e.g. [\"a\", \"b\"]", "finite_number": "write a finite number (not nan or inf)",
+    "dict_type": "write it as a table [section] with its keys below", "model_type": "write it as a table [section] "
+    "with its keys below", "greater_than": "use a larger value", "greater_than_equal": "use a larger value",
+    "less_than": "use a smaller value", "less_than_equal": "use a smaller value"}  # pydantic's error kinds
 
 
 def _section_fields(loc: tuple[Any, ...], model: type[BaseModel] | None = None) -> dict[str, Any]:
@@ -261,8 +255,7 @@ def _section_fields(loc: tuple[Any, ...], model: type[BaseModel] | None = None) 
 
 
 def _describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> str:
-    """One problem as `[section] key = value: reason; fix: ...`; ``model`` is what ``loc`` starts in
-    (default: the job file)."""
+    """One problem as `[section] key = value: reason; fix: ...` (``loc`` starts in ``model``, default the job)."""
     loc = tuple(error["loc"])
     section = ".".join(str(p) for p in loc[:-1])
     key = f"[{section}] {loc[-1]}" if section else (str(loc[-1]) if loc else "(file)")
@@ -280,8 +273,8 @@ def _describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> st
     return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc, model))}"
 
 
+# What a missing section needs at least, for the error that says it is missing.
 _SECTION_NEEDS = {"data": 'train = "FILE.jsonl"', "training": "steps = N (or epochs = N)"}
-"""What a missing section needs at least, for the error that says it is missing."""
 
 
 def _cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
@@ -336,9 +329,8 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as exc:
-        # _cross_checks reported steps/epochs already, by key
-        problems += [p for p in map(_describe, exc.errors()) if "`steps` or `epochs`" not in p
-                     and "give `steps = N` or `epochs = N`" not in p]
+        problems += [p for p in map(_describe, exc.errors())  # _cross_checks named steps/epochs by key
+                     if "`steps` or `epochs`" not in p and "give `steps = N`" not in p]
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}") from None
@@ -355,8 +347,7 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
 
 def _read_toml(path: Path, what: str) -> dict[str, Any]:
     try:
-        raw = path.read_bytes()
-        text = raw.decode("utf-8")
+        text = (raw := path.read_bytes()).decode("utf-8")
     except FileNotFoundError:
         raise JobFileError(f"{path}: no such {what}; create one with `lodger init {path}`") from None
     except OSError as exc:
@@ -383,8 +374,7 @@ class AgentSettings(_Section):
     """[agent] in $LODGER_HOME/config.toml: how `lodger agent` shares the machine between runs."""
 
     max_concurrent: Int = Field(1, ge=1, le=1024)
-    """Runs the agent lets train side by side at most (when their threads fit on the cores);
-    `lodger agent --max-concurrent N` overrides it."""
+    """Runs trained side by side at most (when their threads fit); `lodger agent --max-concurrent` overrides it."""
 
 
 USER_SECTIONS = {"policy": PolicyConfig, "limits": LimitsConfig}

@@ -819,7 +819,7 @@ def test_resume_refuses_what_changed_since_before_anything_is_written(refusal, t
 
 def test_the_corpus_holds_at_least_forty_bad_inputs():
     total = len(CASES) + len(DAMAGES) + len(RESUME_REFUSALS)
-    print(f"\nbad-input corpus: {total} cases ({len(CASES)} refused before any model loads, "
+    print(f"\nbad-input corpus: {total} cases ({len(CASES)} refused before anything is written, "
           f"{len(DAMAGES)} damaged checkpoints, {len(RESUME_REFUSALS)} resumes refused)")
     assert total >= 40, total
 
