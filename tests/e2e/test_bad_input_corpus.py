@@ -7,8 +7,10 @@ click's own `Error:` for a usage mistake), print no traceback, leave no crash lo
 mistake is not a bug), and write nothing: no run folder, no new rows in the ledger.
 
 Most cases fail before any model loads, so they are plain subprocesses. The few that need a
-trained run (damaged checkpoints, resume's memory pre-flight) share one tiny run, killed while
-writing its third checkpoint, trained once for this module.
+trained run (damaged checkpoints, which resume reports and falls back from; resumes refused for
+what changed since, resume's memory pre-flight included) share one tiny run, killed while writing
+its third checkpoint, trained once for this module. The last tests cover what lodger did not
+foresee: one line naming a crash log, in the foreground and from a background worker.
 """
 
 from __future__ import annotations

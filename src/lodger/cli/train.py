@@ -89,7 +89,8 @@ def _detach(run_id: str, fresh: bool, extra: list[str] | None = None) -> None:
                    "another number of processes.")
 @click.option("--quiet", is_flag=True, help="Only errors on the terminal.")
 @click.option("--detach", is_flag=True, help="Continue in the background.")
-@click.option("--force", is_flag=True, help="Resume even if the memory estimate says it will not fit (recorded).")
+@click.option("--force", is_flag=True, help="Resume even if the memory estimate says it will not fit (recorded; "
+                                           "a run started with --force keeps it).")
 def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool, detach: bool,
            force: bool) -> None:
     """Continue RUN: a held run where it stands, a stopped one from its newest good checkpoint.
@@ -152,7 +153,10 @@ def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | 
 
     prepared = resume_prepared(run_id, threads, world_size)
     _refuse_changed_inputs(ledger, run_id, prepared)
-    memory = preflight(prepared, force)
+    # The owner's --force at `lodger run` holds for the run's resumes; it is recorded again below.
+    forced_at_start = any(e["kind"] == "created" and (e["data"].get("memory_estimate") or {}).get("forced")
+                          for e in ledger.events(run_id))
+    memory = preflight(prepared, force or forced_at_start)
     if memory["forced"]:
         ledger.event(run_id, "preflight_forced", memory_estimate=memory)
     return prepared
