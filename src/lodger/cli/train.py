@@ -149,9 +149,12 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
 def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | None, force: bool):
     """Validate the run's job, data and model again and run `lodger run`'s memory pre-flight, before
     anything is written (the data, the machine or config.toml's [limits] may have changed since)."""
+    from ..distributed import checkpoint_world_size, refuse_other_world_size
+    from ..home import run_dir
     from ..session import preflight, resume_prepared
 
     prepared = resume_prepared(run_id, threads, world_size)
+    refuse_other_world_size(run_id, checkpoint_world_size(run_dir(run_id)), prepared.job.training.world_size)
     _refuse_changed_inputs(ledger, run_id, prepared)
     # The owner's --force at `lodger run` holds for the run's resumes; it is recorded again below.
     forced_at_start = any(e["kind"] == "created" and (e["data"].get("memory_estimate") or {}).get("forced")
