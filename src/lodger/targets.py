@@ -6,6 +6,7 @@ job against it, and `remote/` runs an approved job there. No torch, no ray.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -77,7 +78,7 @@ def load_targets() -> dict[str, Target]:
     except JobFileError as exc:
         raise TargetError(str(exc)) from None
     targets, problems = {}, []
-    for key in raw.keys() - {"targets"}:
+    for key in sorted(raw.keys() - {"targets"}):
         problems.append(f"{key}: unknown key; every target is a table `[targets.NAME]`; fix: move it under "
                         "one or remove it")
     tables = raw.get("targets", {})
@@ -90,6 +91,9 @@ def load_targets() -> dict[str, Target]:
             problems.append(f"targets.{name} = {table!r}: expected a table; fix: write `[targets.{name}]` "
                             "with its keys below")
             continue
+        if not re.match(NAME_PATTERN, name):
+            problems.append(f"[targets.{name}]: not a target name; fix: rename it with letters, digits, `_`, `.`, "
+                            "`-` (at most 64)")
         try:
             targets[name] = Target.model_validate(table)
         except ValidationError as exc:
@@ -124,8 +128,6 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 def add_target(name: str, settings: dict, *, replace: bool = False) -> Target:
     """Validate and save a target; a `target_added` ledger event records it (and what it replaced)."""
-    import re
-
     from .ledger import Ledger
 
     if not re.match(NAME_PATTERN, name):
