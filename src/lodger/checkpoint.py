@@ -141,11 +141,16 @@ class CheckpointStore:
             files[name] = data
         return Checkpoint(step=int(manifest["step"]), path=path, manifest=manifest, files=files)
 
-    def latest_good(self, on_damaged: Callable[[Path, str, Path], None] | None = None) -> Checkpoint | None:
-        """The newest checkpoint that verifies. Damaged ones are moved aside and reported."""
+    def latest_good(self, on_damaged: Callable[[Path, str, Path], None] | None = None,
+                    check: Callable[[Checkpoint], None] | None = None) -> Checkpoint | None:
+        """The newest checkpoint that verifies (and passes ``check``, which raises CheckpointError
+        for contents its reader cannot use). Damaged ones are moved aside and reported."""
         for _, path in self.committed():
             try:
-                return self.load(path)
+                ckpt = self.load(path)
+                if check is not None:
+                    check(ckpt)
+                return ckpt
             except CheckpointError as exc:
                 aside = self.root / f"damaged-{path.name}-{int(time.time())}-{secrets.token_hex(2)}"
                 durable.rename(path, aside)
@@ -216,6 +221,23 @@ class CheckpointStore:
 
 FAULT_POINTS = ("after_tensors", "before_manifest", "before_rename", "before_dir_fsync", "during_prune")
 """The named places in the checkpoint write path where tests make the process die."""
+
+
+def safetensors_problem(data: bytes) -> str | None:
+    """Why ``data`` is not a well-formed safetensors file (header and sizes only, no tensor built), or None."""
+    if len(data) < 8:
+        return f"{len(data)} bytes, too short for a safetensors file"
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        return f"its header claims {size} bytes, the file has {len(data) - 8} after the length"
+    try:
+        header = json.loads(data[8:8 + size])
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        return f"unreadable safetensors header ({type(exc).__name__}: {exc})"
+    if max(ends, default=0) != len(data) - 8 - size:
+        return f"its tensors need {max(ends, default=0)} bytes, the file has {len(data) - 8 - size}"
+    return None
 
 
 def hash_file(path: Path, chunk: int = 1 << 22) -> str:

@@ -28,7 +28,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    source: str = "smollm2-135m-instruct"
+    source: str = Field("smollm2-135m-instruct", min_length=1)
     """The base model: the alias `smollm2-135m-instruct`, a local Hugging Face folder (config.json +
     safetensors), a .gguf file, or a hub id (`org/name`, `org/name@revision`) already in the local
     Hugging Face cache (HF_HUB_CACHE / HF_HOME). Nothing is ever downloaded."""
@@ -237,11 +237,20 @@ def _fix_for(error: dict[str, Any], model_fields: dict[str, Any]) -> str:
         return "add it"
     if kind == "literal_error":
         return "use one of the allowed values"
-    return "change the value"
+    return _TYPE_FIXES.get(kind, "change the value")
 
 
-def _section_fields(loc: tuple[Any, ...]) -> dict[str, Any]:
-    model: type[BaseModel] = JobConfig
+_TYPE_FIXES = {
+    "int_type": "write a whole number without quotes (e.g. 4)", "float_type": "write a number without quotes (e.g. 0.5)",
+    "string_type": "write it as a string in quotes", "bool_type": "write true or false (without quotes)",
+    "list_type": "write a list, e.g. [\"a\", \"b\"]", "finite_number": "write a finite number (not nan or inf)",
+    "dict_type": "write it as a table [section] with its keys below", "model_type": "write it as a table [section] "
+    "with its keys below", "greater_than": "use a larger value", "greater_than_equal": "use a larger value",
+    "less_than": "use a smaller value", "less_than_equal": "use a smaller value"}  # pydantic's error kinds
+
+
+def _section_fields(loc: tuple[Any, ...], model: type[BaseModel] | None = None) -> dict[str, Any]:
+    model = model or JobConfig
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         annotation = getattr(field, "annotation", None)
@@ -252,17 +261,27 @@ def _section_fields(loc: tuple[Any, ...]) -> dict[str, Any]:
     return model.model_fields
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> str:
+    """One problem as `[section] key = value: reason; fix: ...` (``loc`` starts in ``model``, default the job)."""
     loc = tuple(error["loc"])
     section = ".".join(str(p) for p in loc[:-1])
     key = f"[{section}] {loc[-1]}" if section else (str(loc[-1]) if loc else "(file)")
     if error["type"] == "missing":
         where = f"[{section}] " if section else ""
+        annotation = getattr(_section_fields(loc, model).get(str(loc[-1])) if loc else None, "annotation", None)
+        if not section and isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            needs = _SECTION_NEEDS.get(str(loc[-1])) or ", ".join(
+                f"{k} = ..." for k, f in annotation.model_fields.items() if f.is_required())
+            return f"[{loc[-1]}]: missing section; add it" + (f" with {needs}" if needs else "")
         return f"{where}{loc[-1]}: missing; add it" if loc else "missing value"
     value = error.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"
     message = error["msg"].removeprefix("Value error, ")
-    return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc))}"
+    return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc, model))}"
+
+
+# What a missing section needs at least, for the error that says it is missing.
+_SECTION_NEEDS = {"data": 'train = "FILE.jsonl"', "training": "steps = N (or epochs = N)"}
 
 
 def _cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
@@ -317,7 +336,8 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
     try:
         job = JobConfig.model_validate(raw)
     except ValidationError as exc:
-        problems += [p for p in map(_describe, exc.errors()) if "`steps` or `epochs`" not in p]
+        problems += [p for p in map(_describe, exc.errors())  # _cross_checks named steps/epochs by key
+                     if "`steps` or `epochs`" not in p and "give `steps = N`" not in p]
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}") from None
@@ -343,11 +363,15 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
 
 def _read_toml(path: Path, what: str) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = (raw := path.read_bytes()).decode("utf-8")
     except FileNotFoundError:
         raise JobFileError(f"{path}: no such {what}; create one with `lodger init {path}`") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise JobFileError(f"{path}: cannot read the {what}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise JobFileError(f"{path}: cannot read the {what}: line {line} is not valid UTF-8 (byte "
+                           f"0x{raw[exc.start]:02x}); save the file as UTF-8") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -362,9 +386,16 @@ class DatasetPolicyConfig(_Section):
     `strict` refuses the job (register the file with `lodger data add`)."""
 
 
+class AgentSettings(_Section):
+    """[agent] in $LODGER_HOME/config.toml: how `lodger agent` shares the machine between runs."""
+
+    max_concurrent: Int = Field(1, ge=1, le=1024)
+    """Runs trained side by side at most (when their threads fit); `lodger agent --max-concurrent` overrides it."""
+
+
 USER_SECTIONS = {"policy": PolicyConfig, "limits": LimitsConfig}
 """Sections of config.toml whose keys are defaults for the job's sections of the same name."""
-USER_ONLY_SECTIONS = {"datasets": DatasetPolicyConfig}
+USER_ONLY_SECTIONS = {"datasets": DatasetPolicyConfig, "agent": AgentSettings}
 """Sections of config.toml that are the user's own settings, not job defaults."""
 
 
@@ -379,16 +410,17 @@ def user_defaults() -> dict[str, dict[str, Any]]:
     raw = _read_toml(path, "user settings file")
     problems = []
     for section, table in raw.items():
-        if section == "agent":
-            continue
         model = USER_SECTIONS.get(section) or USER_ONLY_SECTIONS.get(section)
         if model is None:
             problems.append(f"[{section}]: unknown section; fix: use [policy], [limits], [datasets] or [agent]")
             continue
+        if not isinstance(table, dict):
+            problems.append(f"{section} = {table!r}: expected a table; fix: write `[{section}]` with its keys below")
+            continue
         try:
             model.model_validate(table)
         except ValidationError as exc:
-            problems += [f"[{section}] " + _describe({**e, "loc": e["loc"]}).removeprefix("[") for e in exc.errors()]
+            problems += [f"[{section}] " + _describe(e, model).removeprefix("[") for e in exc.errors()]
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise JobFileError(f"{path}: {len(problems)} problem(s) in the user settings:\n{listed}")

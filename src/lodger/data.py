@@ -65,7 +65,15 @@ def read_jsonl(path: Path) -> DataFile:
     except OSError as exc:
         raise DataError(f"{path}: cannot read the data file: {exc}") from None
     rows, problems = [], []
-    for number, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), start=1):
+    # Split the bytes at line ends (\n, \r\n, \r) only: str.splitlines() would also cut at U+2028
+    # and other separators, which JSON allows unescaped inside strings.
+    for number, chunk in enumerate(raw.splitlines(), start=1):
+        try:
+            line = chunk.decode("utf-8")
+        except UnicodeDecodeError as exc:  # replacing it would train on U+FFFD instead of the text
+            problems.append(f"{path}:{number}: not valid UTF-8 (byte 0x{chunk[exc.start]:02x} at byte "
+                            f"{exc.start + 1} of the line); save the file as UTF-8")
+            continue
         if not line.strip():
             continue
         try:
@@ -77,7 +85,9 @@ def read_jsonl(path: Path) -> DataFile:
         if reason:
             problems.append(f"{path}:{number}: {reason}")
         else:
-            rows.append({"line": number, **row})
+            # lodger's line number wins over a "line" key of the row's own: other keys are the
+            # user's metadata and are ignored, this one is where errors and samples point.
+            rows.append({**row, "line": number})
     if problems:
         shown = "\n".join(f"  - {p}" for p in problems[:10])
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
@@ -97,6 +107,10 @@ def encode_row(row: dict, tokenizer, max_length: int, source: str) -> tuple[list
         ids = tokenizer(row["text"], add_special_tokens=True)["input_ids"] + [tokenizer.eos_token_id]
         ids = ids[:max_length]
         return ids, [1] * len(ids)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{source}:{row['line']}: a chat (\"messages\") needs the tokenizer's chat template, and "
+                        "the model of [model] source has none; use {\"text\": ...} lines, or a model with a chat "
+                        "template (chat_template.jinja or tokenizer_config.json)")
     messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
     full = _render(tokenizer, messages)
     spans = []

@@ -197,11 +197,26 @@ def quiet_transformers() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"peft\..*")
 
 
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")
+"""One of these makes a folder's tokenizer loadable without converting anything."""
+
+
 def load_tokenizer(folder: Path):
+    """The folder's tokenizer; a folder without one is the user's error, named, not a traceback."""
+    folder = Path(folder)
+    if not any((folder / name).is_file() for name in VOCABULARY_FILES):
+        raise ModelSourceError(f"[model] source: {folder} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}); "
+                               "copy the tokenizer files of the model into it (e.g. "
+                               "`tokenizer.save_pretrained(folder)`)")
     from transformers import AutoTokenizer
 
     quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # whatever the files make transformers or tokenizers raise
+        raise ModelSourceError(f"[model] source: the tokenizer in {folder} cannot be loaded ({type(exc).__name__}: "
+                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}); replace its "
+                               "tokenizer files with the model's own") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

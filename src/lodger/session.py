@@ -23,7 +23,7 @@ from .config import JobConfig, load_job, to_toml, total_steps
 from .control import Control, ReleaseRequested, clear_request, write_request
 from .distributed import Ranks
 from .data import DataFile, Sampler, TokenizedSet, read_jsonl, split_indices, tokenize
-from .errors import JobFileError, LimitReached, PreflightError, RunStateError
+from .errors import CheckpointError, JobFileError, LimitReached, PreflightError, RunStateError
 from .home import run_dir
 from .train.guard import GuardState
 from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this module's API)
@@ -333,17 +333,45 @@ class Session:
     def agreed_checkpoint(self, on_damaged=None) -> Checkpoint | None:
         """The newest good checkpoint, as rank 0 finds it (only rank 0 moves damaged ones aside)."""
         if self.world_size == 1:
-            return self.store.latest_good(on_damaged=on_damaged)
+            return self.store.latest_good(on_damaged=on_damaged, check=self.check_contents)
         from .distributed import broadcast_int
 
         if self.rank == 0:
-            ckpt = self.store.latest_good(on_damaged=on_damaged)
+            ckpt = self.store.latest_good(on_damaged=on_damaged, check=self.check_contents)
             broadcast_int(-1 if ckpt is None else ckpt.step)
             return ckpt
         step = broadcast_int(-1)
         return None if step < 0 else self.store.load(self.store.root / f"step-{step:08d}")
 
     # -- restoring ---------------------------------------------------------------------------
+    def check_contents(self, ckpt: Checkpoint) -> None:
+        """Raise CheckpointError unless ``restore`` finds everything it reads: a checkpoint whose
+        hashes verify can still lack a key (written by another version, or by hand), and is then
+        damaged like any other, so resume falls back to the previous one."""
+        from .checkpoint import safetensors_problem
+
+        weights = "adapter_model.safetensors" if self.job.method.kind == "lora" else "model.safetensors"
+        ranks = [f"rng-rank-{r}.json" for r in range(1, int(ckpt.manifest.get("world_size") or 1))]
+        needed = ["state.json", weights, "optimizer.json", "optimizer.safetensors", "rng.safetensors", *ranks]
+        problems = [f"no {name}" for name in needed if name not in ckpt.files]
+        for name in needed:
+            if name in ckpt.files and name.endswith(".safetensors"):
+                why = safetensors_problem(ckpt.files[name])
+                problems += [f"{name}: {why}"] if why else []
+            elif name in ckpt.files:
+                try:
+                    parsed = json.loads(ckpt.files[name])
+                except ValueError as exc:
+                    parsed, problems = None, problems + [f"{name} is not valid JSON ({exc})"]
+                if name == "state.json" and isinstance(parsed, dict):
+                    problems += _state_problems(parsed, ckpt.step)
+                elif name == "optimizer.json" and isinstance(parsed, dict):
+                    problems += [f"optimizer.json lacks `{k}`" for k in ("param_groups", "plain") if k not in parsed]
+                elif parsed is not None and not isinstance(parsed, dict):
+                    problems.append(f"{name} is not a JSON object")
+        if problems:
+            raise CheckpointError(f"{ckpt.path.name}: its files verify but cannot be restored: {'; '.join(problems)}")
+
     def restore(self, ckpt: Checkpoint) -> list[str]:
         """Load every piece of state from a verified checkpoint; return the drift found (if any)."""
         from safetensors.torch import load as load_tensors
@@ -726,6 +754,30 @@ def _resume_state(session: Session, run: dict) -> None:
     session.reporter.message(f"restored checkpoint {ckpt.path.name}")
 
 
+def _state_problems(state: dict, step: int) -> list[str]:
+    """What a checkpoint's state.json lacks for ``restore`` and ``_resume_state`` (which read these keys)."""
+    from dataclasses import fields
+
+    problems = [f"state.json lacks `{k}`" for k in ("progress", "rng", "numerics", "data", "model_sha256")
+                if k not in state]
+    progress, data, rng = state.get("progress"), state.get("data"), state.get("rng")
+    if isinstance(rng, dict):
+        problems += [f"state.json lacks `rng.{k}`" for k in ("python", "numpy") if k not in rng]
+    elif "rng" in state:
+        problems.append("state.json `rng` is not an object")
+    if isinstance(progress, dict):
+        problems += [f"state.json lacks `progress.{f.name}`" for f in fields(Progress) if f.name not in progress]
+        if "step" in progress and progress["step"] != step:
+            problems.append(f"state.json says step {progress['step']!r}, its folder step {step}")
+    elif "progress" in state:
+        problems.append("state.json `progress` is not an object")
+    if isinstance(data, dict):
+        problems += [f"state.json lacks `data.{k}`" for k in ("train_sha256", "eval_sha256") if k not in data]
+    elif "data" in state:
+        problems.append("state.json `data` is not an object")
+    return problems
+
+
 def _write_provenance_json(folder: Path, segments: list[dict]) -> None:
     durable.atomic_write(folder / "provenance.json",
                          json.dumps({"segments": segments}, indent=1, sort_keys=True, default=str).encode())
@@ -733,7 +785,11 @@ def _write_provenance_json(folder: Path, segments: list[dict]) -> None:
 
 def resume_prepared(run_id: str, threads: int | None = None, world_size: int | None = None) -> Prepared:
     """Re-validate a run's recorded job for resuming (optionally at another thread count or world size)."""
-    job = load_job(run_dir(run_id) / JOB_FILE)
+    path = run_dir(run_id) / JOB_FILE
+    if not path.exists():
+        raise RunStateError(f"run {run_id}: its job file {path} is missing; the ledger holds a copy "
+                            f"(`job_toml` in `lodger show {run_id} --json`): write it back to that path")
+    job = load_job(path)
     if threads is not None:
         job.training.threads = threads
     if world_size is not None:

@@ -6,13 +6,13 @@ job against it, and `remote/` runs an approved job there. No torch, no ray.
 
 from __future__ import annotations
 
-import tomllib
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
-from .config import Float, Int, _describe, _Section, _toml_value
+from .config import Float, Int, _describe, _read_toml, _Section, _toml_value
 from .errors import JobFileError, LodgerError
 from .home import home
 
@@ -50,6 +50,13 @@ class Target(_Section):
     """Sustained matmul TFLOP/s one training process reaches there (one GPU, or a node's CPUs),
     for the time estimate. Left out: this machine's measured rate (pessimistic for GPUs)."""
 
+    @field_validator("address")
+    @classmethod
+    def _an_http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")) or len(value.split()) != 1:
+            raise ValueError("not an http(s) URL; use the Ray dashboard's, e.g. http://10.0.0.5:8265")
+        return value
+
 
 class TargetError(LodgerError):
     """The targets file is bad, or the named target does not exist."""
@@ -64,21 +71,36 @@ def targets_path() -> Path:
 def load_targets() -> dict[str, Target]:
     """Every target in the user's file, validated; one error lists every problem."""
     path = targets_path()
-    if not path.is_file():
+    if not path.exists():
         return {}
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise TargetError(f"{path}: cannot read the targets file: {exc}") from None
+        raw = _read_toml(path, "targets file")
+    except JobFileError as exc:
+        raise TargetError(str(exc)) from None
     targets, problems = {}, []
-    for name, table in raw.get("targets", {}).items():
+    for key in sorted(raw.keys() - {"targets"}):
+        problems.append(f"{key}: unknown key; every target is a table `[targets.NAME]`; fix: move it under "
+                        "one or remove it")
+    tables = raw.get("targets", {})
+    if not isinstance(tables, dict):
+        problems.append(f"targets = {tables!r}: expected tables `[targets.NAME]`; fix: write each target as "
+                        "`[targets.NAME]` with its keys below (or use `lodger target add`)")
+        tables = {}
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            problems.append(f"targets.{name} = {table!r}: expected a table; fix: write `[targets.{name}]` "
+                            "with its keys below")
+            continue
+        if not re.match(NAME_PATTERN, name):
+            problems.append(f"[targets.{name}]: not a target name; fix: rename it with letters, digits, `_`, `.`, "
+                            "`-` (at most 64)")
         try:
             targets[name] = Target.model_validate(table)
         except ValidationError as exc:
-            problems += [f"[targets.{name}] " + _describe(e).removeprefix("[") for e in exc.errors()]
+            problems += [f"[targets.{name}] " + _describe(e, Target).removeprefix("[") for e in exc.errors()]
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
-        raise TargetError(f"{path}: {len(problems)} problem(s):\n{listed}")
+        raise TargetError(f"{path}: {len(problems)} problem(s) in the targets file; edit it to fix them:\n{listed}")
     return targets
 
 
@@ -125,8 +147,6 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 def add_target(name: str, settings: dict, *, replace: bool = False) -> Target:
     """Validate and save a target; a `target_added` ledger event records it (and what it replaced)."""
-    import re
-
     from .ledger import Ledger
 
     if not re.match(NAME_PATTERN, name):
@@ -134,7 +154,7 @@ def add_target(name: str, settings: dict, *, replace: bool = False) -> Target:
     try:
         target = Target.model_validate({k: v for k, v in settings.items() if v is not None})
     except ValidationError as exc:
-        problems = [_describe(e) for e in exc.errors()]
+        problems = [_describe(e, Target) for e in exc.errors()]
         listed = "\n".join(f"  - {p}" for p in problems)
         raise TargetError(f"target {name!r}: {len(problems)} problem(s) (each key is the option of the same "
                           f"name, `_` written `-`):\n{listed}") from None

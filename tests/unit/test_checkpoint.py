@@ -379,3 +379,18 @@ def test_a_process_killed_at_any_fault_point_leaves_a_good_checkpoint(root: Path
     store.clean_stale()
     assert sorted(p.name for p in root.iterdir()) == step_dirs(root)
     assert "step-00000002" in step_dirs(root)
+
+
+def test_safetensors_problem_passes_real_files_and_names_truncated_or_garbage_ones() -> None:
+    import torch
+    from safetensors.torch import save
+
+    from lodger.checkpoint import safetensors_problem
+
+    good = save({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3)})
+    assert safetensors_problem(good) is None
+    assert safetensors_problem(save({})) is None
+    assert "its tensors need" in safetensors_problem(good[:-4])
+    assert "header claims" in safetensors_problem(b"\xff" * 64)
+    assert "too short" in safetensors_problem(b"\x01\x02")
+    assert "unreadable safetensors header" in safetensors_problem((8).to_bytes(8, "little") + b"not json")

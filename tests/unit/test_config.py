@@ -167,7 +167,7 @@ def test_giving_both_steps_and_epochs_names_both_keys_and_the_fix(job_dir: Path)
 
 
 def test_giving_neither_steps_nor_epochs_says_to_add_one(job_dir: Path) -> None:
-    with pytest.raises(JobFileError, match=r"give `steps = N` or `epochs = N`"):
+    with pytest.raises(JobFileError, match=r"1 problem\(s\).*\n  - \[training\] steps: missing; add `steps = N` or `epochs = N`$"):
         load_job(write_job(job_dir, '[data]\ntrain = "data/train.jsonl"\n[training]\nseed = 1\n'))
 
 
@@ -175,8 +175,8 @@ def test_missing_required_sections_are_reported(job_dir: Path) -> None:
     with pytest.raises(JobFileError) as info:
         load_job(write_job(job_dir, 'name = "x"\n'))
     found = problems(info.value)
-    assert "data: missing; add it" in found
-    assert "training: missing; add it" in found
+    assert '[data]: missing section; add it with train = "FILE.jsonl"' in found
+    assert "[training]: missing section; add it with steps = N (or epochs = N)" in found
 
 
 def test_steps_and_epochs_together_are_reported_alongside_other_bad_values(job_dir: Path) -> None:

@@ -92,6 +92,29 @@ def test_good_lines_keep_their_line_numbers_and_the_file_identity(tmp_path: Path
     assert data.sha256 == hashlib.sha256(path.read_bytes()).hexdigest() and data.size == path.stat().st_size
 
 
+def test_invalid_utf8_is_an_error_naming_file_line_and_byte_not_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(json.dumps(GOOD_TEXT).encode() + b'\n{"text": "caf\xe9"}\n' + json.dumps(GOOD_TEXT).encode())
+    with pytest.raises(DataError) as info:
+        read_jsonl(path)
+    assert f"{path}:2: not valid UTF-8 (byte 0xe9 at byte 14 of the line)" in str(info.value)
+    assert "1 bad line(s)" in str(info.value)
+
+
+def test_a_rows_own_line_key_is_ignored_like_other_metadata(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "train.jsonl", ["", json.dumps({**GOOD_TEXT, "line": "seven", "id": 3})])
+    [row] = read_jsonl(path).rows
+    assert row["line"] == 2 and row["text"] == GOOD_TEXT["text"]
+
+
+def test_only_line_ends_split_lines_not_unicode_separators_inside_strings(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(json.dumps({"text": "a\u2028b\x0cc"}, ensure_ascii=False).encode() + b"\r\n"
+                     + json.dumps(GOOD_TEXT).encode() + b"\r")
+    rows = read_jsonl(path).rows
+    assert [(r["line"], r["text"]) for r in rows] == [(1, "a\u2028b\x0cc"), (2, GOOD_TEXT["text"])]
+
+
 def test_the_fixture_data_files_validate(chat_data: dict, text_data: dict) -> None:
     assert len(read_jsonl(chat_data["train"]).rows) == 64
     assert len(read_jsonl(text_data["eval"]).rows) == 16

@@ -27,8 +27,10 @@ def agent(interval: float, max_concurrent: int | None, for_seconds: float | None
     import signal
 
     from ..agent import Agent, AgentLock
+    from ..config import user_defaults
     from ..ledger import Ledger
 
+    user_defaults()  # a bad config.toml is refused before the agent takes its lock or records a start
     lock = AgentLock()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     with Ledger() as ledger:
@@ -146,6 +148,9 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
             raise
         ledger.queue_move(queue_id, "queue_started", ("starting",), run_id, run_id=run_id)
     lock.release()
+    from .crash import log_to_run
+
+    log_to_run(run_id)
     execute(run_id, prepared, resuming=False, quiet=True)
 
 

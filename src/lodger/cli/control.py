@@ -164,7 +164,9 @@ def _synced(ledger, run: dict, sync) -> dict:
 def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None, quiet: bool) -> None:
     """Train RUN in this (detached) process, or as one rank under torchrun; used by --detach and the agent."""
     from ..session import execute, resume_prepared
+    from .crash import log_to_run
 
+    log_to_run(run_id)  # nobody watches this process's stderr: a crash must reach the run's log
     execute(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet)
 
 

@@ -86,7 +86,9 @@ def cancel(run_id: str) -> None:
 def remote_worker(run_id: str, job: Path) -> None:
     """Train RUN inside a Ray job (LODGER_HOME is the run's home in storage): start or resume it."""
     from ..remote.worker import start
+    from .crash import log_to_run
 
+    log_to_run(run_id)  # the run's log.txt is synced back; Ray's job log is not read by the owner
     start(run_id, job)
 
 

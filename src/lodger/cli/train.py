@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from ..errors import JobFileError, RunStateError
+from .crash import log_to_run
 
 
 @click.command()
@@ -56,6 +57,7 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     from ..session import create_run, execute
 
     run_id, prepared = create_run(job, threads, managed=detach, force=force)
+    log_to_run(run_id)
     click.echo(f"run {run_id}")
     for use in prepared.job.data_uses():
         if use.dataset is None:  # allowed by the default policy; recorded in the run's provenance
@@ -87,9 +89,13 @@ def _detach(run_id: str, fresh: bool, extra: list[str] | None = None) -> None:
                    "another number of processes.")
 @click.option("--quiet", is_flag=True, help="Only errors on the terminal.")
 @click.option("--detach", is_flag=True, help="Continue in the background.")
-def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool, detach: bool) -> None:
+@click.option("--force", is_flag=True, help="Resume even if the memory estimate says it will not fit (recorded; "
+                                           "a run started with --force keeps it).")
+def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool, detach: bool,
+           force: bool) -> None:
     """Continue RUN: a held run where it stands, a stopped one from its newest good checkpoint.
 
+    A stopped run passes the same memory pre-flight as `lodger run` before anything changes.
     Damaged checkpoints are reported, moved aside and skipped. On the same machine, threads and
     library versions the result is bitwise identical to an uninterrupted run; otherwise lodger
     warns and records the drift. A data-parallel run resumes only with the number of processes
@@ -127,6 +133,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]
             click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
             return
+        prepared = _prepare_resume(ledger, run["id"], threads, world_size, force)
         for requester in ("user", "agent"):  # the owner asked for it: earlier pause requests are void
             clear_request(folder, requester)
         if detach:
@@ -136,10 +143,50 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
         extra = ([f"--threads={threads}"] if threads else []) + ([f"--world-size={world_size}"] if world_size else [])
         _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(), extra=extra)
         return
-    from ..session import execute, resume_prepared
+    from ..session import execute
 
-    prepared = resume_prepared(run["id"], threads, world_size)
+    log_to_run(run["id"])
     execute(run["id"], prepared, resuming=True, quiet=quiet)
+
+
+def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | None, force: bool):
+    """Validate the run's job, data and model again and run `lodger run`'s memory pre-flight, before
+    anything is written (the data, the machine or config.toml's [limits] may have changed since)."""
+    from ..distributed import checkpoint_world_size, refuse_other_world_size
+    from ..home import run_dir
+    from ..session import preflight, resume_prepared
+
+    prepared = resume_prepared(run_id, threads, world_size)
+    refuse_other_world_size(run_id, checkpoint_world_size(run_dir(run_id)), prepared.job.training.world_size)
+    _refuse_changed_inputs(ledger, run_id, prepared)
+    # The owner's --force at `lodger run` holds for the run's resumes; it is recorded again below.
+    forced_at_start = any(e["kind"] == "created" and (e["data"].get("memory_estimate") or {}).get("forced")
+                          for e in ledger.events(run_id))
+    memory = preflight(prepared, force or forced_at_start)
+    if memory["forced"]:
+        ledger.event(run_id, "preflight_forced", memory_estimate=memory)
+    return prepared
+
+
+def _refuse_changed_inputs(ledger, run_id: str, prepared) -> None:
+    """Data or model that differ from what the run recorded are refused now, with the file named,
+    not after the model loaded (the checkpoint's own record is checked again when it is restored)."""
+    segments = ledger.provenance(run_id)
+    if not segments:
+        return
+    recorded = segments[-1]
+    now = {"train": prepared.train_file, "eval": prepared.eval_file}
+    for role, file in now.items():
+        was = (recorded.get("data", {}).get(role) or {}).get("sha256")
+        if was and was != (file.sha256 if file else None):
+            raise RunStateError(f"run {run_id}: [data] {role} {file.path if file else '(none)'} changed since the run "
+                                f"trained on it (sha256 {was}, now {file.sha256 if file else None}); restore the "
+                                "original file, or start a new run with `lodger run`")
+    was = recorded.get("model", {}).get("sha256")
+    if was and was != prepared.source.sha256:
+        raise RunStateError(f"run {run_id}: [model] source {prepared.source.spec} changed since the run trained on it "
+                            f"(sha256 {was}, now {prepared.source.sha256}); restore the original model files, or "
+                            "start a new run with `lodger run`")
 
 
 COMMANDS = [init, run, resume]
