@@ -29,6 +29,7 @@ from .train.guard import GuardState
 from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this module's API)
 from .ledger import Ledger
 from .ledger import provenance as prov
+from .recovery import complete_ledger, sync_metrics
 from .compare import segment_compute
 from .model import ModelSource, check_target_modules, model_folder, resolve_source, tokenizer_hash
 
@@ -397,6 +398,7 @@ class Session:
             durable.atomic_write(path, "".join(kept).encode())
         with self.ledger.transaction() as db:
             db.execute("DELETE FROM metrics WHERE run_id=? AND step>?", (self.run_id, step))
+        durable.fault_point("after_metrics_truncate")
         return reached
 
     def record_step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
@@ -468,15 +470,18 @@ class Session:
         files = {**adapter_files(self.model, self.job.method), **optimizer_files(self.optimizer),
                  "rng.safetensors": save_tensors(rng_tensors),
                  "state.json": json.dumps(state, sort_keys=True).encode(), **rank_files}
+        sync_metrics(self.dir)  # the lines this checkpoint covers outlive it: resume re-ingests them
         path = self.store.save(self.progress.step, files)
         seconds = time.perf_counter() - started
         size = sum(f.stat().st_size for f in path.iterdir())
+        durable.fault_point("checkpoint_before_ledger")
         with self.ledger.transaction():
             self.ledger.add_metrics(self.run_id, self.progress.segment, self.pending)
             self.ledger.update_run(self.run_id, step=self.progress.step,
                                    loss=next((r["loss"] for r in reversed(self.pending) if "loss" in r), None))
             self.ledger.event(self.run_id, "checkpoint", step=self.progress.step, path=path.name, bytes=size,
                               seconds=round(seconds, 4), compute=self.meter.read())
+        durable.fault_point("checkpoint_after_ledger")
         self.pending = []
         self.reporter.message(f"checkpoint step {self.progress.step} committed in {seconds:.2f} s "
                               f"({size / 2**20:.1f} MiB)")
@@ -715,6 +720,10 @@ def _resume_state(session: Session, run: dict) -> None:
                             f"{state['model_sha256']}, now {session.p.source.sha256})")
     differences = session.restore(ckpt)
     session.resumed_from = (ckpt.step, session.truncate_metrics(ckpt.step))
+    recovered = {"checkpoint": False, "metrics": 0}
+    if recovered["checkpoint"] or recovered["metrics"]:
+        session.reporter.message(f"ledger completed from the run folder: {recovered['metrics']} metric line(s)"
+                                 + (f", checkpoint {ckpt.path.name} recorded" if recovered["checkpoint"] else ""))
     if differences:
         session.ledger.event(session.run_id, "drift", step=ckpt.step, differences=differences)
         session.reporter.message("warning: resuming on a different setup; the result is no longer bitwise "
