@@ -30,6 +30,7 @@ from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this
 from .ledger import Ledger
 from .ledger import provenance as prov
 from .recovery import complete_ledger, sync_metrics
+from .restarts import mark_starting
 from .compare import segment_compute
 from .model import ModelSource, check_target_modules, model_folder, resolve_source, tokenizer_hash
 
@@ -178,11 +179,13 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     name = name or job.name or Path(job_path).stem
     run_id = run_id or new_run_id(name)
     durable.write_folder(run_dir(run_id), {JOB_FILE: to_toml(job.resolved_dict()).encode()})
+    mark_starting(run_dir(run_id))  # the agent leaves a "created" run alone while its creator lives
     with Ledger() as ledger:
         ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
                           job_hash=_job_hash(job), job_toml=to_toml(job.resolved_dict()),
                           total_steps=prepared.total_steps, pid=None, reproduces=reproduces, managed=managed,
                           estimate=memory)
+    durable.fault_point("after_create_run")
     return run_id, prepared
 
 

@@ -1,0 +1,185 @@
+"""The agent against bad luck: runs left `created`, runs that keep dying, and errors in a tick.
+
+Real `lodger` and `lodger agent` processes in the test's own LODGER_HOME. A run is left `created`
+by killing `lodger run --detach` at the fault point just after the run exists (`after_create_run`):
+a crash before the worker ever started. Synchronisation is by polling the ledger and files inside
+bounded loops. Every process started here is killed by pid at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import (describe, killed_by_sigkill, lodger_env, read_metrics, run_dir_of, run_lodger,
+                     start_lodger, wait_until, write_job)
+
+SMALL = dict(steps=8, batch_size=4, grad_accum=1, every_steps=4, keep_last=2, threads=1, max_length=64,
+             dropout=0.0, eval_every=None)
+
+
+@pytest.fixture
+def env(tmp_path: Path, lodger_home: Path) -> dict[str, str]:
+    (tmp_path / "no-power-supply").mkdir()  # no battery, whatever machine runs the tests
+    return lodger_env(lodger_home, LODGER_POWER_SUPPLY_DIR=str(tmp_path / "no-power-supply"))
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def rows(env: dict, sql: str, *args) -> list[tuple]:
+    db = sqlite3.connect(f"file:{Path(env['LODGER_HOME']) / 'ledger.db'}?mode=ro", uri=True)
+    try:
+        return db.execute(sql, args).fetchall()
+    finally:
+        db.close()
+
+
+def run_events(env: dict, run_id: str) -> list[dict]:
+    return [{"kind": k, "time": t, "data": json.loads(d)}
+            for k, t, d in rows(env, "SELECT kind, time, data FROM events WHERE run_id=? ORDER BY seq", run_id)]
+
+
+def status_of(env: dict, run_id: str) -> str:
+    return rows(env, "SELECT status FROM runs WHERE id=?", run_id)[0][0]
+
+
+def created_and_abandoned(job: Path, env: dict, *extra: str) -> str:
+    """A run whose creator died right after creating it (before any worker took it up)."""
+    result = run_lodger(["run", job, *extra], {**env, "LODGER_FAULT": "after_create_run"})
+    assert killed_by_sigkill(result.returncode), describe(result)
+    (run_id,) = [r for (r,) in rows(env, "SELECT id FROM runs")]
+    assert status_of(env, run_id) == "created"
+    return run_id
+
+
+def start_agent(env: dict, tmp_path: Path, procs: list, *extra: str):
+    agent = start_lodger(["agent", "--interval", "0.2", "--for-seconds", "300", *extra], env,
+                         log_dir=tmp_path / "agent")
+    procs.append(agent.proc)
+    wait_until(lambda: "agent running" in agent.stdout(), 60, agent.proc, what="the agent to start", output=agent)
+    return agent
+
+
+def stop_agent(agent) -> None:
+    assert agent.proc.poll() is None, "the agent ended by itself: " + describe(agent)
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=60) == 0, describe(agent)
+
+
+def test_a_managed_run_left_created_is_started_by_the_agent_and_finishes(tiny_model_dir, e2e_data, env,
+                                                                       tmp_path, procs):
+    job = write_job(tmp_path / "job.toml", model=tiny_model_dir, train=e2e_data["train"], name="orphan",
+                    extra={"policy": {"enabled": False}}, **SMALL)
+    run_id = created_and_abandoned(job, env, "--detach")
+    agent = start_agent(env, tmp_path, procs)
+    wait_until(lambda: status_of(env, run_id) in ("finished", "failed", "gave_up"), 240, agent.proc,
+               what=f"{run_id} to finish", output=agent, interval=0.1)
+    stop_agent(agent)
+    assert status_of(env, run_id) == "finished", (run_dir_of(run_id, env) / "worker.out").read_text()
+    kinds = [e["kind"] for e in run_events(env, run_id)]
+    restarts = [e["data"] for e in run_events(env, run_id) if e["kind"] == "agent_resume"]
+    assert len(restarts) == 1 and "created but never started" in restarts[0]["reason"], restarts
+    assert "started" in kinds and "resumed" not in kinds, kinds  # a fresh start, segment 0
+    steps = [r["step"] for r in read_metrics(run_dir_of(run_id, env)) if r["kind"] == "train"]
+    assert steps == list(range(1, SMALL["steps"] + 1))
+
+
+def test_a_run_that_keeps_failing_is_retried_with_growing_delays_then_given_up(tiny_model_dir, e2e_data, env,
+                                                                              tmp_path, procs):
+    train = tmp_path / "train.jsonl"
+    train.write_bytes(Path(e2e_data["train"]).read_bytes())
+    job = write_job(tmp_path / "job.toml", model=tiny_model_dir, train=train, name="doomed",
+                    extra={"policy": {"enabled": False}}, **SMALL)
+    run_id = created_and_abandoned(job, env, "--detach")
+    train.unlink()  # every try now fails before training: its data is gone
+    agent = start_agent(env, tmp_path, procs, "--retry-delay", "0.5", "--max-tries", "3")
+    wait_until(lambda: status_of(env, run_id) == "gave_up", 240, agent.proc, what=f"the agent to give up {run_id}",
+               output=agent, interval=0.1)
+    status = run_lodger(["status", "--json"], env)
+    assert status.returncode == 0, describe(status)
+    listed = {r["id"]: r for r in json.loads(status.stdout)["runs"]}
+    assert listed[run_id]["status"] == "gave_up", listed
+    text = run_lodger(["status"], env).stdout
+    assert any(line.startswith("gave_up") and run_id in line for line in text.splitlines()), text
+    stop_agent(agent)  # still alive after all that
+
+    found = [e for e in run_events(env, run_id) if e["kind"] in ("agent_resume", "restart_delayed", "gave_up")]
+    assert [e["kind"] for e in found] == ["agent_resume", "restart_delayed", "agent_resume", "restart_delayed",
+                                          "agent_resume", "gave_up"], found
+    delays = [e["data"]["delay_seconds"] for e in found if e["kind"] == "restart_delayed"]
+    assert delays == [0.5, 1.0]
+    for wait, next_try in ((found[1], found[2]), (found[3], found[4])):
+        assert next_try["time"] - wait["time"] >= wait["data"]["delay_seconds"], (wait, next_try)
+    assert found[-1]["data"]["failed_tries"] == 3
+    assert "No such file" in (run_dir_of(run_id, env) / "worker.out").read_text() or \
+        "train.jsonl" in (run_dir_of(run_id, env) / "worker.out").read_text()
+
+
+LOCK_HOLDER = """
+import fcntl, os, signal, sys
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the agent wakes the run it holds; this stand-in ignores it
+fh = open(sys.argv[1], "a+")
+fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+fh.seek(0); fh.truncate(); fh.write(str(os.getpid())); fh.flush()
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def hours_not_now() -> str:
+    """An allowed-hours window that does not hold the local time now (it starts in two hours)."""
+    now = time.localtime()
+    start = (now.tm_hour * 60 + now.tm_min + 120) % 1440
+    end = (start + 60) % 1440
+    return f"{start // 60:02d}:{start % 60:02d}-{end // 60:02d}:{end % 60:02d}"
+
+
+def test_an_error_in_a_tick_is_logged_and_the_agent_goes_on(tiny_model_dir, e2e_data, env, tmp_path, procs):
+    job = write_job(tmp_path / "job.toml", model=tiny_model_dir, train=e2e_data["train"], name="held",
+                    extra={"policy": {"enabled": True, "allowed_hours": hours_not_now(), "max_foreign_cpu": 1.0,
+                                      "pause_on_battery": False,
+                                      "yield_mode": "hold"}}, **SMALL)
+    run_id = created_and_abandoned(job, env)  # not managed: the agent only applies its policy
+    folder = run_dir_of(run_id, env)
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(folder / "lock")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    procs.append(holder)
+    assert holder.stdout.readline().strip() == "locked"  # the run looks live to the agent
+    (good,) = rows(env, "SELECT job_toml FROM runs WHERE id=?", run_id)[0]
+    db = sqlite3.connect(Path(env["LODGER_HOME"]) / "ledger.db")
+    try:
+        with db:  # an unreadable recorded job: its policy cannot be read, and every tick trips on it
+            db.execute("UPDATE runs SET job_toml=? WHERE id=?", ("[policy\nnot toml", run_id))
+        agent = start_agent(env, tmp_path, procs)
+        log = Path(env["LODGER_HOME"]) / "agent.log"
+        wait_until(lambda: log.exists() and log.read_text().count("Traceback") >= 2, 60, agent.proc,
+                   what="two logged tracebacks", output=agent, interval=0.05)
+        with db:
+            db.execute("UPDATE runs SET job_toml=? WHERE id=?", (good, run_id))
+    finally:
+        db.close()
+    wait_until(lambda: any(e["kind"] == "policy" for e in run_events(env, run_id)), 60, agent.proc,
+               what="the agent to apply the run's policy once it could read it", output=agent, interval=0.05)
+    stop_agent(agent)
+    policy = [e["data"] for e in run_events(env, run_id) if e["kind"] == "policy"][0]
+    assert policy["decision"] == "hold" and any("allowed hours" in r for r in policy["reasons"]), policy
+    text = log.read_text()
+    assert "error in tick" in text and "TOMLDecodeError" in text, text
+    assert "going on" in agent.stderr(), describe(agent)
+    errors = rows(env, "SELECT data FROM events WHERE kind='agent_error'")
+    assert len(errors) == 1 and "TOMLDecodeError" in json.loads(errors[0][0])["error"], errors  # once, not per tick
