@@ -723,7 +723,7 @@ def _resume_state(session: Session, run: dict) -> None:
                             f"{state['model_sha256']}, now {session.p.source.sha256})")
     differences = session.restore(ckpt)
     session.resumed_from = (ckpt.step, session.truncate_metrics(ckpt.step))
-    recovered = {"checkpoint": False, "metrics": 0}
+    recovered = complete_ledger(session.ledger, session.run_id, session.dir, ckpt)
     if recovered["checkpoint"] or recovered["metrics"]:
         session.reporter.message(f"ledger completed from the run folder: {recovered['metrics']} metric line(s)"
                                  + (f", checkpoint {ckpt.path.name} recorded" if recovered["checkpoint"] else ""))
