@@ -217,7 +217,10 @@ class Agent:
         return _policy_of(run["job_toml"])
 
     def _threads(self, run_or_toml: str) -> int:
-        return int(tomllib.loads(run_or_toml).get("training", {}).get("threads") or os.cpu_count())
+        try:
+            return int(tomllib.loads(run_or_toml).get("training", {}).get("threads") or os.cpu_count())
+        except (tomllib.TOMLDecodeError, AttributeError, TypeError, ValueError):
+            return os.cpu_count() or 1  # unreadable: counted as using every core; its own look says why
 
     def tick(self) -> None:
         runs = self.ledger.runs()
@@ -231,7 +234,7 @@ class Agent:
                 del self.queue_children[queue_id]
         pids = {lock_pid(run_dir(r)) for r in live} - {None}
         pids |= {c.pid for c in [*self.starting.values(), *self.queue_children.values()] if c.poll() is None}
-        measured = self.sampler.measure(pids, want_gpu=any(self._policy(r).max_foreign_gpu_memory for r in live.values()))
+        measured = self.sampler.measure(pids, want_gpu=self._wants_gpu(live))
         for run in runs:
             if run["id"] in self.starting:
                 continue
@@ -241,6 +244,17 @@ class Agent:
                 self.log_error(f"run {run['id']}", exc)
         busy = len(live) + len(self.starting) + len(self.queue_children)
         self._start_queued(busy, sum(self._threads(r["job_toml"]) for r in live.values()))
+
+    def _wants_gpu(self, live: dict) -> bool:
+        """Whether a live run's policy looks at GPU memory. A policy that cannot be read is skipped
+        here, so that it fails (and is logged) for its own run only, not for the whole tick."""
+        for run in live.values():
+            try:
+                if self._policy(run).max_foreign_gpu_memory:
+                    return True
+            except Exception:
+                continue
+        return False
 
     def _look_at(self, run: dict, live: dict, measured: dict) -> None:
         if run["id"] in live:

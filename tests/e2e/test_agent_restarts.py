@@ -62,7 +62,7 @@ def created_and_abandoned(job: Path, env: dict, *extra: str) -> str:
     """A run whose creator died right after creating it (before any worker took it up)."""
     result = run_lodger(["run", job, *extra], {**env, "LODGER_FAULT": "after_create_run"})
     assert killed_by_sigkill(result.returncode), describe(result)
-    (run_id,) = [r for (r,) in rows(env, "SELECT id FROM runs")]
+    ((run_id,),) = rows(env, "SELECT id FROM runs ORDER BY created DESC LIMIT 1")
     assert status_of(env, run_id) == "created"
     return run_id
 
@@ -149,37 +149,53 @@ def hours_not_now() -> str:
     return f"{start // 60:02d}:{start % 60:02d}-{end // 60:02d}:{end % 60:02d}"
 
 
-def test_an_error_in_a_tick_is_logged_and_the_agent_goes_on(tiny_model_dir, e2e_data, env, tmp_path, procs):
-    job = write_job(tmp_path / "job.toml", model=tiny_model_dir, train=e2e_data["train"], name="held",
-                    extra={"policy": {"enabled": True, "allowed_hours": hours_not_now(), "max_foreign_cpu": 1.0,
-                                      "pause_on_battery": False,
-                                      "yield_mode": "hold"}}, **SMALL)
-    run_id = created_and_abandoned(job, env)  # not managed: the agent only applies its policy
-    folder = run_dir_of(run_id, env)
+def hold_lock(folder: Path, procs: list) -> None:
+    """Make the run look live to the agent: a stand-in process holds its lock."""
     holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(folder / "lock")], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     procs.append(holder)
-    assert holder.stdout.readline().strip() == "locked"  # the run looks live to the agent
-    (good,) = rows(env, "SELECT job_toml FROM runs WHERE id=?", run_id)[0]
+    assert holder.stdout.readline().strip() == "locked"
+
+
+def policy_decisions(env: dict, run_id: str) -> list[dict]:
+    return [e["data"] for e in run_events(env, run_id) if e["kind"] == "policy"]
+
+
+def test_an_unreadable_run_is_logged_and_the_agent_goes_on_with_the_others(tiny_model_dir, e2e_data, env,
+                                                                           tmp_path, procs):
+    policy = {"enabled": True, "allowed_hours": hours_not_now(), "max_foreign_cpu": 1.0, "pause_on_battery": False,
+              "yield_mode": "hold"}  # says "hold" whatever the load: outside the allowed hours
+    ids = {}
+    for name in ("bad", "good"):  # not managed: the agent only applies their policies
+        job = write_job(tmp_path / f"{name}.toml", model=tiny_model_dir, train=e2e_data["train"], name=name,
+                        extra={"policy": policy}, **SMALL)
+        ids[name] = created_and_abandoned(job, env)
+        hold_lock(run_dir_of(ids[name], env), procs)
+    bad = ids["bad"]
+    (good_toml,) = rows(env, "SELECT job_toml FROM runs WHERE id=?", bad)[0]
+    log = Path(env["LODGER_HOME"]) / "agent.log"
     db = sqlite3.connect(Path(env["LODGER_HOME"]) / "ledger.db")
     try:
-        with db:  # an unreadable recorded job: its policy cannot be read, and every tick trips on it
-            db.execute("UPDATE runs SET job_toml=? WHERE id=?", ("[policy\nnot toml", run_id))
+        with db:  # a recorded job that cannot be read: its policy fails at every tick
+            db.execute("UPDATE runs SET job_toml=? WHERE id=?", ("[policy\nnot toml", bad))
         agent = start_agent(env, tmp_path, procs)
-        log = Path(env["LODGER_HOME"]) / "agent.log"
         wait_until(lambda: log.exists() and log.read_text().count("Traceback") >= 2, 60, agent.proc,
                    what="two logged tracebacks", output=agent, interval=0.05)
+        wait_until(lambda: policy_decisions(env, ids["good"]), 60, agent.proc, what="the other run's policy",
+                   output=agent, interval=0.05)
+        assert policy_decisions(env, bad) == []
         with db:
-            db.execute("UPDATE runs SET job_toml=? WHERE id=?", (good, run_id))
+            db.execute("UPDATE runs SET job_toml=? WHERE id=?", (good_toml, bad))
     finally:
         db.close()
-    wait_until(lambda: any(e["kind"] == "policy" for e in run_events(env, run_id)), 60, agent.proc,
+    wait_until(lambda: policy_decisions(env, bad), 60, agent.proc,
                what="the agent to apply the run's policy once it could read it", output=agent, interval=0.05)
     stop_agent(agent)
-    policy = [e["data"] for e in run_events(env, run_id) if e["kind"] == "policy"][0]
-    assert policy["decision"] == "hold" and any("allowed hours" in r for r in policy["reasons"]), policy
+    for run_id in ids.values():
+        decision = policy_decisions(env, run_id)[0]
+        assert decision["decision"] == "hold" and any("allowed hours" in r for r in decision["reasons"]), decision
     text = log.read_text()
-    assert "error in tick" in text and "TOMLDecodeError" in text, text
+    assert f"error in run {bad}" in text and "TOMLDecodeError" in text, text
     assert "going on" in agent.stderr(), describe(agent)
-    errors = rows(env, "SELECT data FROM events WHERE kind='agent_error'")
-    assert len(errors) == 1 and "TOMLDecodeError" in json.loads(errors[0][0])["error"], errors  # once, not per tick
+    errors = [json.loads(d) for (d,) in rows(env, "SELECT data FROM events WHERE kind='agent_error'")]
+    assert len(errors) == 1 and "TOMLDecodeError" in errors[0]["error"], errors  # once, not once per tick

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lodger.agent import Agent, agent_log_path
+from lodger.ledger import Ledger
 from lodger.restarts import Backoff, being_started, decide, mark_starting
 
 BACKOFF = Backoff(first_delay=2.0, max_tries=3)
@@ -57,3 +59,16 @@ def test_the_starting_lock_is_seen_while_its_holder_lives_and_not_after(tmp_path
             holder.kill()
             holder.wait(timeout=30)
     assert being_started(tmp_path)  # this process still holds it
+
+
+def test_a_tick_that_raises_is_logged_with_its_traceback_and_the_next_tick_runs(lodger_home: Path) -> None:
+    agent = Agent(Ledger(), interval=0.05)
+    agent.ledger.db.close()  # every query of this tick now raises
+    assert agent.safe_tick() is False
+    text = agent_log_path().read_text()
+    assert "error in tick: ProgrammingError" in text and "Traceback (most recent call last)" in text, text
+    agent.ledger = Ledger()
+    assert agent.safe_tick() is True
+    events = agent.ledger.events()
+    agent.ledger.close()
+    assert [e["kind"] for e in events] == []  # its error event could not be written: the log has it
