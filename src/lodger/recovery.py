@@ -20,11 +20,12 @@ from . import durable
 
 METRICS_FILE = "metrics.jsonl"
 
-LEDGER_FAULT_POINTS = ("checkpoint_before_ledger", "checkpoint_after_ledger", "after_metrics_truncate",
-                       "after_ledger_recovery")
-"""Named places around the ledger writes of the checkpoint and metrics path (see durable.fault_point):
-after a checkpoint's commit and before its ledger write; after that write; after resume dropped the
-ledger's metric rows past the restored step; after resume completed the ledger from the run folder."""
+LEDGER_FAULT_POINTS = ("after_create_run", "checkpoint_before_ledger", "checkpoint_after_ledger",
+                       "after_metrics_truncate", "after_ledger_recovery")
+"""Named places around the ledger writes of a run (see durable.fault_point): after the run's row is
+created (before any process trained it); after a checkpoint's commit and before its ledger write;
+after that write; after resume dropped the ledger's metric rows past the restored step; after resume
+completed the ledger from the run folder."""
 
 
 def read_metric_lines(folder: Path) -> list[dict]:

@@ -1,8 +1,8 @@
 """A kill around the ledger writes of the checkpoint path, then resume: the ledger ends complete.
 
 Each fault point of recovery.LEDGER_FAULT_POINTS kills the real `lodger` process (SIGKILL through
-$LODGER_FAULT) between a checkpoint's commit and its ledger write, after that write, or inside the
-resume that completes the ledger. After `lodger resume` the ledger must hold every step's metrics
+$LODGER_FAULT) just after the run's row is created, between a checkpoint's commit and its ledger
+write, after that write, or inside the resume that completes the ledger. After `lodger resume` the ledger must hold every step's metrics
 once, every checkpoint's event, and `lodger compare RUN BASELINE` must say bitwise equal.
 
 Cost: one module home holds the uninterrupted baseline and one run killed just after committing
@@ -28,6 +28,7 @@ GAP_FAULT = "checkpoint_before_ledger@2"  # step-8 committed, the ledger still a
 
 # fault point -> the faults, in order, of the processes that die before a plain `lodger resume`
 CASES = {
+    "after_create_run": ["after_create_run"],
     "checkpoint_before_ledger": [GAP_FAULT],
     "checkpoint_after_ledger": ["checkpoint_after_ledger@2"],
     "after_metrics_truncate": [GAP_FAULT, "after_metrics_truncate"],
@@ -91,7 +92,7 @@ def test_kill_at_ledger_fault_point_then_resume_leaves_the_ledger_complete(point
     else:
         first = run_lodger(["run", module_home["job"], "--quiet"], lodger_env(home, LODGER_FAULT=faults[0]))
         assert killed_by_sigkill(first.returncode), describe(first)
-        run_id = _first_run_id(first)
+        ((run_id,),) = _rows(home, "SELECT id FROM runs ORDER BY created DESC LIMIT 1")  # it may die before printing it
     for fault in faults[1:]:  # a resume that itself dies at the fault point
         dying = run_lodger(["resume", run_id, "--quiet"], lodger_env(home, LODGER_FAULT=fault))
         assert killed_by_sigkill(dying.returncode), f"expected death at {fault}: " + describe(dying)
