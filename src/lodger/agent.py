@@ -168,6 +168,17 @@ def agent_log_path() -> Path:
     return home() / "agent.log"
 
 
+ERROR_REMINDER_SECONDS = 600.0
+
+
+def _append_log(path: Path, text: str) -> None:
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+    except OSError:
+        pass  # the log is a help, not a reason to stop
+
+
 def agent_pid() -> int | None:
     """The pid of the running agent, or None."""
     path = agent_lock_path()
@@ -211,7 +222,7 @@ class Agent:
         self.starting: dict[str, subprocess.Popen] = {}   # restarted runs, until their worker holds the lock
         self.queue_children: dict[int, subprocess.Popen] = {}  # queued jobs being started
         self.backoff = backoff or Backoff()
-        self.last_error: dict[str, str] = {}  # where -> the last error recorded there (one event per new error)
+        self.errors: dict[str, dict] = {}  # where -> the error failing there now: text, count, when logged
 
     def _policy(self, run: dict):
         return _policy_of(run["job_toml"])
@@ -240,6 +251,7 @@ class Agent:
                 continue
             try:  # one run's bad files or record must not keep the agent from the others
                 self._look_at(run, live, measured)
+                self.errors.pop(f"run {run['id']}", None)
             except Exception as exc:
                 self.log_error(f"run {run['id']}", exc)
         busy = len(live) + len(self.starting) + len(self.queue_children)
@@ -357,28 +369,32 @@ class Agent:
         """One tick; an exception in it is logged with its traceback, and the next tick comes as usual."""
         try:
             self.tick()
+            self.errors.pop("tick", None)
             return True
         except Exception as exc:
             self.log_error("tick", exc)
             return False
 
     def log_error(self, where: str, exc: Exception) -> None:
-        """The traceback to the agent log, one line to stderr, and an event when the error is new."""
-        text = f"{type(exc).__name__}: {exc}"
-        path = agent_log_path()
-        try:
-            with open(path, "a", encoding="utf-8") as fh:
-                fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} error in {where}: {text}\n"
-                         + "".join(traceback.format_exception(exc)) + "\n")
-        except OSError:
-            pass  # the log is a help, not a reason to stop
+        """A new error: its traceback to the agent log, a line to stderr, an event. The same error
+        again: counted, and a one-line reminder at most every ERROR_REMINDER_SECONDS (an agent
+        looking every second at a broken file must not fill the disk with copies of one traceback)."""
+        text, now, path = f"{type(exc).__name__}: {exc}", time.monotonic(), agent_log_path()
+        seen = self.errors.get(where)
+        if seen is not None and seen["text"] == text:
+            seen["count"] += 1
+            if now - seen["logged"] < ERROR_REMINDER_SECONDS:
+                return
+            seen["logged"] = now
+            _append_log(path, f"still failing in {where} ({seen['count']} times): {text}\n")
+            return
+        self.errors[where] = {"text": text, "count": 1, "logged": now}
+        _append_log(path, f"error in {where}: {text}\n" + "".join(traceback.format_exception(exc)))
         print(f"agent: error in {where}: {text} (traceback in {path}); going on", file=sys.stderr, flush=True)
-        if self.last_error.get(where) != text:
-            self.last_error[where] = text
-            try:
-                self.ledger.event(None, "agent_error", where=where, error=text, log=str(path))
-            except Exception:
-                pass  # e.g. the ledger itself is what fails: the log has it
+        try:
+            self.ledger.event(None, "agent_error", where=where, error=text, log=str(path))
+        except Exception:
+            pass  # e.g. the ledger itself is what fails: the log has it
 
     def serve_forever(self, stop_after: float | None = None) -> None:
         started = time.monotonic()

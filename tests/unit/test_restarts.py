@@ -72,3 +72,17 @@ def test_a_tick_that_raises_is_logged_with_its_traceback_and_the_next_tick_runs(
     events = agent.ledger.events()
     agent.ledger.close()
     assert [e["kind"] for e in events] == []  # its error event could not be written: the log has it
+
+
+def test_the_same_error_at_every_tick_is_logged_once_and_a_new_one_again(lodger_home: Path) -> None:
+    agent = Agent(Ledger(), interval=0.05)
+    agent.ledger.db.close()
+    for _ in range(5):
+        assert agent.safe_tick() is False
+    assert agent_log_path().read_text().count("Traceback") == 1
+    assert agent.errors["tick"]["count"] == 5
+    try:
+        raise ValueError("another problem")
+    except ValueError as exc:
+        agent.log_error("tick", exc)
+    assert agent_log_path().read_text().count("Traceback") == 2
