@@ -17,12 +17,14 @@ import subprocess
 import sys
 import time
 import tomllib
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .control import ask, clear_request, read_requests
 from .home import home, run_dir
 from .ledger import Ledger
+from .restarts import RESTARTABLE, Backoff, being_started, decide
 from .runlock import holder, is_locked
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -205,6 +207,22 @@ def agent_lock_path() -> Path:
     return home() / "agent.lock"
 
 
+def agent_log_path() -> Path:
+    """Where the agent writes the tracebacks of errors it survived."""
+    return home() / "agent.log"
+
+
+ERROR_REMINDER_SECONDS = 600.0
+
+
+def _append_log(path: Path, text: str) -> None:
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
+    except OSError:
+        pass  # the log is a help, not a reason to stop
+
+
 def agent_pid() -> int | None:
     """The pid of the running agent, or None."""
     path = agent_lock_path()
@@ -234,7 +252,8 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
 class Agent:
     """One tick at a time: measure, apply policies, restart what should run, start queued jobs."""
 
-    def __init__(self, ledger: Ledger, interval: float = 1.0, max_concurrent: int | None = None):
+    def __init__(self, ledger: Ledger, interval: float = 1.0, max_concurrent: int | None = None,
+                 backoff: Backoff | None = None):
         from .config import user_defaults
 
         settings = user_defaults().get("agent", {})
@@ -247,12 +266,17 @@ class Agent:
         self.starting: dict[str, subprocess.Popen] = {}   # restarted runs, until their worker holds the lock
         self.queue_children: dict[int, subprocess.Popen] = {}  # queued jobs being started
         self.starting_grace = _seconds(settings.get("starting_grace", 600))  # before a lost start is requeued
+        self.backoff = backoff or Backoff()
+        self.errors: dict[str, dict] = {}  # where -> the error failing there now: text, count, when logged
 
     def _policy(self, run: dict):
         return _policy_of(run["job_toml"])
 
     def _threads(self, run_or_toml: str) -> int:
-        return int(tomllib.loads(run_or_toml).get("training", {}).get("threads") or os.cpu_count())
+        try:
+            return int(tomllib.loads(run_or_toml).get("training", {}).get("threads") or os.cpu_count())
+        except (tomllib.TOMLDecodeError, AttributeError, TypeError, ValueError):
+            return os.cpu_count() or 1  # unreadable: counted as using every core; its own look says why
 
     def tick(self) -> None:
         runs = self.ledger.runs()
@@ -269,22 +293,61 @@ class Agent:
                 del self.queue_children[queue_id]
         pids = set(holders.values()) - {None}
         pids |= {c.pid for c in [*self.starting.values(), *self.queue_children.values()] if c.poll() is None}
-        measured = self.sampler.measure(pids, want_gpu=any(self._policy(r).max_foreign_gpu_memory for r in live.values()))
+        measured = self.sampler.measure(pids, want_gpu=self._wants_gpu(live))
         for run in runs:
             if run["id"] in self.starting or run["id"] in unverified:
                 continue
-            if run["id"] in live:
-                self._apply_policy(run, measured)
-            elif "user" in read_requests(run_dir(run["id"])):
-                continue  # the owner paused or held it: it stays so until `lodger resume`
-            elif run["managed"] and run["status"] in ("running", "held", "interrupted"):
-                self._restart(run, f"the run's process is gone (status {run['status']}): resuming")
-            elif run["status"] == "paused" and self._paused_by_agent(run["id"]):
-                if self._clear_for_long_enough(run, measured):
-                    self._restart(run, "conditions clear: continuing the run it released", measured)
+            try:  # one run's bad files or record must not keep the agent from the others
+                self._look_at(run, live, measured)
+                self.errors.pop(f"run {run['id']}", None)
+            except Exception as exc:
+                self.log_error(f"run {run['id']}", exc)
         self._settle_starting()
         busy = len(holders) + len(self.starting) + len(self.queue_children)
         self._start_queued(busy, sum(self._threads(r["job_toml"]) for r in live.values()))
+
+    def _wants_gpu(self, live: dict) -> bool:
+        """Whether a live run's policy looks at GPU memory. A policy that cannot be read is skipped
+        here, so that it fails (and is logged) for its own run only, not for the whole tick."""
+        for run in live.values():
+            try:
+                if self._policy(run).max_foreign_gpu_memory:
+                    return True
+            except Exception:
+                continue
+        return False
+
+    def _look_at(self, run: dict, live: dict, measured: dict) -> None:
+        if run["id"] in live:
+            self._apply_policy(run, measured)
+        elif "user" in read_requests(run_dir(run["id"])):
+            return  # the owner paused or held it: it stays so until `lodger resume`
+        elif run["managed"] and not run.get("target") and run["status"] in RESTARTABLE:
+            self._restart_dead(run)
+        elif run["status"] == "paused" and self._paused_by_agent(run["id"]):
+            if self._clear_for_long_enough(run, measured):
+                self._restart(run, "conditions clear: continuing the run it released", measured)
+
+    def _restart_dead(self, run: dict) -> None:
+        """Start a managed run with no live process again: at once, after a growing delay, or never."""
+        if being_started(run_dir(run["id"])):
+            return  # its creator, or a worker still loading the model, is bringing it up
+        decision = decide(self.ledger.events(run["id"]), self.backoff)
+        if decision.action == "restart":
+            why = ("the run was created but never started" if run["status"] == "created"
+                   else f"the run's process is gone (status {run['status']})")
+            self._restart(run, f"{why}: resuming" + (f" (try {decision.failed + 1})" if decision.failed else ""),
+                          failed=decision.failed)
+        elif decision.action == "delay":
+            self.ledger.event(run["id"], "restart_delayed", failed_tries=decision.failed,
+                              delay_seconds=decision.delay, last_status=run["status"],
+                              reason=f"try {decision.failed} ended without a checkpoint; the next one in "
+                                     f"{decision.delay:g} s")
+        elif decision.action == "give_up":
+            self.ledger.set_status(run["id"], "gave_up", "gave_up", failed_tries=decision.failed,
+                                   last_status=run["status"], step=run["step"],
+                                   reason=f"{decision.failed} tries in a row ended without a checkpoint; "
+                                          f"`lodger resume {run['id']}` tries again")
 
     def _apply_policy(self, run: dict, measured: dict) -> None:
         policy = self._policy(run)
@@ -321,11 +384,16 @@ class Agent:
         paused = self.ledger.last_event(run_id, "paused")
         return bool(paused) and paused["data"].get("by") == "agent"
 
-    def _restart(self, run: dict, reason: str, measured: dict | None = None) -> None:
-        clear_request(run_dir(run["id"]), "agent")
-        self.ledger.event(run["id"], "agent_resume", reason=reason, measured=measured)
+    def _restart(self, run: dict, reason: str, measured: dict | None = None, failed: int = 0) -> None:
+        folder = run_dir(run["id"])
+        clear_request(folder, "agent")
+        self.ledger.event(run["id"], "agent_resume", reason=reason, measured=measured,
+                          **({"failed_tries": failed} if failed else {}))
         self.ledger.update_run(run["id"], managed=1)
-        self.starting[run["id"]] = spawn(["_worker", run["id"]], run_dir(run["id"]) / "worker.out")
+        # A run that never started has nothing to resume from: start it as new (segment 0).
+        fresh = run["status"] == "created" and not any((folder / "checkpoints").glob("step-*"))
+        self.starting[run["id"]] = spawn(["_worker", run["id"], *(["--fresh"] if fresh else [])],
+                                         folder / "worker.out")
 
     def _start_queued(self, busy: int, threads_in_use: int) -> None:
         """queued -> starting(run id, time, our pid), then a `_start-queued` process creates the run.
@@ -383,11 +451,42 @@ class Agent:
             return f"no run {entry['run_id']} after {waited:.0f} s (grace {self.starting_grace:g} s)"
         return None
 
+    def safe_tick(self) -> bool:
+        """One tick; an exception in it is logged with its traceback, and the next tick comes as usual."""
+        try:
+            self.tick()
+            self.errors.pop("tick", None)
+            return True
+        except Exception as exc:
+            self.log_error("tick", exc)
+            return False
+
+    def log_error(self, where: str, exc: Exception) -> None:
+        """A new error: its traceback to the agent log, a line to stderr, an event. The same error
+        again: counted, and a one-line reminder at most every ERROR_REMINDER_SECONDS (an agent
+        looking every second at a broken file must not fill the disk with copies of one traceback)."""
+        text, now, path = f"{type(exc).__name__}: {exc}", time.monotonic(), agent_log_path()
+        seen = self.errors.get(where)
+        if seen is not None and seen["text"] == text:
+            seen["count"] += 1
+            if now - seen["logged"] < ERROR_REMINDER_SECONDS:
+                return
+            seen["logged"] = now
+            _append_log(path, f"still failing in {where} ({seen['count']} times): {text}\n")
+            return
+        self.errors[where] = {"text": text, "count": 1, "logged": now}
+        _append_log(path, f"error in {where}: {text}\n" + "".join(traceback.format_exception(exc)))
+        print(f"agent: error in {where}: {text} (traceback in {path}); going on", file=sys.stderr, flush=True)
+        try:
+            self.ledger.event(None, "agent_error", where=where, error=text, log=str(path))
+        except Exception:
+            pass  # e.g. the ledger itself is what fails: the log has it
+
     def serve_forever(self, stop_after: float | None = None) -> None:
         started = time.monotonic()
         while stop_after is None or time.monotonic() - started < stop_after:
             self.look_again_soon = False
-            self.tick()
+            self.safe_tick()
             time.sleep(self.interval / 4 if self.look_again_soon else self.interval)
 
 

@@ -70,6 +70,16 @@ def fsync_dir(path: Path) -> None:
     _record("fsync_dir", path)
 
 
+def fsync_file(path: Path) -> None:
+    """Make what was written to an existing file (appended lines, say) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _record("fsync", path)
+
+
 def mkdir(path: Path) -> None:
     """Create a folder; durable only once its parent is fsynced."""
     path.mkdir(mode=0o700)  # owner-only, like everything lodger keeps (see home.py)

@@ -29,6 +29,8 @@ from .train.guard import GuardState
 from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this module's API)
 from .ledger import Ledger
 from .ledger import provenance as prov
+from .recovery import complete_ledger, sync_metrics
+from .restarts import mark_starting
 from .compare import segment_compute
 from .model import ModelSource, check_target_modules, model_folder, resolve_source, tokenizer_hash
 
@@ -177,11 +179,13 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     name = name or job.name or Path(job_path).stem
     run_id = run_id or new_run_id(name)
     durable.write_folder(run_dir(run_id), {JOB_FILE: to_toml(job.resolved_dict()).encode()})
+    mark_starting(run_dir(run_id))  # the agent leaves a "created" run alone while its creator lives
     with Ledger() as ledger:
         ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
                           job_hash=_job_hash(job), job_toml=to_toml(job.resolved_dict()),
                           total_steps=prepared.total_steps, pid=None, reproduces=reproduces, managed=managed,
                           estimate=memory)
+    durable.fault_point("after_create_run")
     return run_id, prepared
 
 
@@ -424,6 +428,7 @@ class Session:
             kept = [json.dumps(r) + "\n" for r in records if r["step"] <= step]
             durable.atomic_write(path, "".join(kept).encode())
         self.ledger.truncate_metrics(self.run_id, step)  # a `metrics_truncated` event says so
+        durable.fault_point("after_metrics_truncate")
         return reached
 
     def record_step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
@@ -495,15 +500,18 @@ class Session:
         files = {**adapter_files(self.model, self.job.method), **optimizer_files(self.optimizer),
                  "rng.safetensors": save_tensors(rng_tensors),
                  "state.json": json.dumps(state, sort_keys=True).encode(), **rank_files}
+        sync_metrics(self.dir)  # the lines this checkpoint covers outlive it: resume re-ingests them
         path = self.store.save(self.progress.step, files)
         seconds = time.perf_counter() - started
         size = sum(f.stat().st_size for f in path.iterdir())
+        durable.fault_point("checkpoint_before_ledger")
         with self.ledger.transaction():
             self.ledger.add_metrics(self.run_id, self.progress.segment, self.pending)  # rows + their hashes
             # the event sets the run's step and loss columns (ledger/records.py): one record, chained
             self.ledger.event(self.run_id, "checkpoint", step=self.progress.step, path=path.name, bytes=size,
                               loss=next((r["loss"] for r in reversed(self.pending) if "loss" in r), None),
                               seconds=round(seconds, 4), compute=self.meter.read())
+        durable.fault_point("checkpoint_after_ledger")
         self.pending = []
         self.reporter.message(f"checkpoint step {self.progress.step} committed in {seconds:.2f} s "
                               f"({size / 2**20:.1f} MiB)")
@@ -747,6 +755,10 @@ def _resume_state(session: Session, run: dict) -> None:
                             f"{state['model_sha256']}, now {session.p.source.sha256})")
     differences = session.restore(ckpt)
     session.resumed_from = (ckpt.step, session.truncate_metrics(ckpt.step))
+    recovered = complete_ledger(session.ledger, session.run_id, session.dir, ckpt)
+    if recovered["checkpoint"] or recovered["metrics"]:
+        session.reporter.message(f"ledger completed from the run folder: {recovered['metrics']} metric line(s)"
+                                 + (f", checkpoint {ckpt.path.name} recorded" if recovered["checkpoint"] else ""))
     if differences:
         session.ledger.event(session.run_id, "drift", step=ckpt.step, differences=differences)
         session.reporter.message("warning: resuming on a different setup; the result is no longer bitwise "

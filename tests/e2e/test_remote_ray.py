@@ -158,10 +158,20 @@ def _sync(run_id: str, env: dict) -> dict:
     return json.loads(result.stdout)
 
 
-def _wait_synced(run_id: str, env: dict, statuses: tuple[str, ...], timeout: float = 240) -> dict:
-    """Poll `lodger sync` (files and Ray) until the local run reaches one of ``statuses``."""
-    return wait_until(lambda: (info := _sync(run_id, env))["status"] in statuses and info, timeout,
-                      what=f"run {run_id} to become {' or '.join(statuses)}", interval=0.2)
+def _wait_synced(run_id: str, env: dict, statuses: tuple[str, ...], timeout: float = 240,
+                 ray_ended: bool = False) -> dict:
+    """Poll `lodger sync` (files and Ray) until the local run reaches one of ``statuses`` and, with
+    ``ray_ended``, until Ray too says its job ended. The run writes its last state before its process
+    exits and Ray notices the exit a moment later: a test that asserts Ray's status once the files
+    say "paused" races Ray (it once read RUNNING there), so it waits for both."""
+    from lodger.remote import TERMINAL
+
+    def reached():
+        info = _sync(run_id, env)
+        return info if info["status"] in statuses and (not ray_ended or info["ray_status"] in TERMINAL) else None
+
+    return wait_until(reached, timeout, what=f"run {run_id} to become {' or '.join(statuses)}"
+                      + (" and its Ray job to end" if ray_ended else ""), interval=0.2)
 
 
 def _remote_events(info: dict) -> list[str]:
@@ -230,7 +240,7 @@ def test_remote_wall_time_limit_stops_the_job_with_a_committed_checkpoint(ray_he
     job = write_job(tmp_path / "limited.toml", model=tiny_model_dir, train=e2e_data["train"], eval=e2e_data["eval"],
                     name="limited", steps=2000, extra={"remote": {"wall_hours": 0.0003}})  # about 1 s
     run_id = _submit(job, ray_head)
-    info = _wait_synced(run_id, env, ("paused", "finished", "failed", "crashed"), timeout=300)
+    info = _wait_synced(run_id, env, ("paused", "finished", "failed", "crashed"), timeout=300, ray_ended=True)
     assert info["status"] == "paused", info
     assert info["checkpoints"] and 0 <= info["step"] < 2000, info
     assert info["checkpoints"][-1] == f"step-{info['step']:08d}"
@@ -252,7 +262,7 @@ def test_remote_pause_resume_and_cancel(ray_head, e2e_data, tiny_model_dir, lodg
 
     paused = run_lodger(["pause", run_id, "--timeout", "120"], env)
     assert paused.returncode == 0 and "paused at step" in paused.stdout, describe(paused)
-    info = _wait_synced(run_id, env, ("paused",))
+    info = _wait_synced(run_id, env, ("paused",))  # Ray may still say RUNNING: `resume` waits for it, as for a user
     step = info["step"]
     assert info["checkpoints"][-1] == f"step-{step:08d}"
 

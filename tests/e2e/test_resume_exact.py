@@ -7,6 +7,7 @@ per-step train records (loss, grad_norm, lr, tokens), eval losses, and the final
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (TOTAL_STEPS, checkpoint_dirs, describe, eval_losses, event_kinds, final_adapter_bytes,
-                     flip_byte, killed_by_sigkill, lodger_env, run_dir_of, run_lodger, show,
+                     flip_byte, killed_by_sigkill, lodger_env, read_metrics, run_dir_of, run_lodger, show,
                      stale_entries, start_lodger, train_losses, train_records, wait_for_step, wait_until,
                      write_job)
 from lodger.checkpoint import FAULT_POINTS
@@ -123,6 +124,23 @@ def test_death_at_fault_point_then_resume_is_bitwise_equal(standard_job, baselin
     # keep_last after resuming a run whose training was already complete: see the xfail test below
     assert_same_as_baseline(folder, baseline, check_pruned=committed[-1:] != [TOTAL_STEPS])
     assert show(run_id)["run"]["status"] == "finished"
+    assert_ledger_holds_every_step(run_id, folder)
+
+
+def assert_ledger_holds_every_step(run_id: str, folder: Path) -> None:
+    """The ledger's metric rows are the run folder's metric lines, and every checkpoint step has an
+    event (a kill after a commit and before its ledger write included: resume completes the ledger)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{folder.parent.parent / 'ledger.db'}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT kind, step, data FROM metrics WHERE run_id=?", (run_id,)).fetchall()
+        steps = {json.loads(d)["step"] for (d,) in db.execute(
+            "SELECT data FROM events WHERE run_id=? AND kind='checkpoint'", (run_id,))}
+    finally:
+        db.close()
+    assert {(k, s): json.loads(d) for k, s, d in rows} == {(r["kind"], r["step"]): r for r in read_metrics(folder)}
+    assert steps == set(range(4, TOTAL_STEPS + 1, 4)), sorted(steps)
 
 
 def test_resume_of_a_run_killed_after_its_last_checkpoint_prunes_to_keep_last(standard_job):

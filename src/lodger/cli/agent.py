@@ -16,28 +16,39 @@ from ..errors import LodgerError
 @click.option("--max-concurrent", type=click.IntRange(1), default=None,
               help="Runs side by side at most (default: [agent] max_concurrent in config.toml, else 1).")
 @click.option("--for-seconds", type=float, default=None, help="Stop after this long (for scripts and tests).")
-def agent(interval: float, max_concurrent: int | None, for_seconds: float | None) -> None:
+@click.option("--retry-delay", type=click.FloatRange(0.0), default=10.0, show_default=True,
+              help="Seconds before starting again a managed run whose restart died before a checkpoint; "
+                   "doubled after each such try.")
+@click.option("--max-tries", type=click.IntRange(1), default=5, show_default=True,
+              help="Failed restarts in a row after which the agent gives up on a run (status gave_up).")
+def agent(interval: float, max_concurrent: int | None, for_seconds: float | None, retry_delay: float,
+          max_tries: int) -> None:
     """Apply yield policies, restart runs that died, and start queued jobs; runs until stopped.
 
     Start it at login (docs/agent.md has a systemd user unit). Every decision it takes is a
-    ledger event with its reason and the values it measured.
+    ledger event with its reason and the values it measured. A managed run that keeps dying is
+    started again after 10, 20, 40... seconds, and given up after --max-tries failed tries
+    (`lodger status` shows it; `lodger resume RUN` tries again). An error in one look at the
+    machine is written to $LODGER_HOME/agent.log with its traceback, and the agent goes on.
 
-    Example: lodger agent
+    Example: lodger agent --retry-delay 30 --max-tries 3
     """
     import signal
 
-    from ..agent import Agent, AgentLock
+    from ..agent import Agent, AgentLock, agent_log_path
     from ..config import user_defaults
     from ..ledger import Ledger
+    from ..restarts import Backoff
 
     user_defaults()  # a bad config.toml is refused before the agent takes its lock or records a start
     lock = AgentLock()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     with Ledger() as ledger:
-        ledger.event(None, "agent_started", interval=interval)
-        click.echo(f"agent running (interval {interval:g} s); Ctrl-C stops it, runs keep going")
+        ledger.event(None, "agent_started", interval=interval, retry_delay=retry_delay, max_tries=max_tries)
+        click.echo(f"agent running (interval {interval:g} s); Ctrl-C stops it, runs keep going; "
+                   f"errors: {agent_log_path()}")
         try:
-            Agent(ledger, interval, max_concurrent).serve_forever(for_seconds)
+            Agent(ledger, interval, max_concurrent, Backoff(retry_delay, max_tries)).serve_forever(for_seconds)
         except KeyboardInterrupt:
             pass
         finally:

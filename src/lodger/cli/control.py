@@ -163,10 +163,13 @@ def _synced(ledger, run: dict, sync) -> dict:
 @click.option("--quiet/--no-quiet", default=True)
 def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None, quiet: bool) -> None:
     """Train RUN in this (detached) process, or as one rank under torchrun; used by --detach and the agent."""
+    from ..home import run_dir
+    from ..restarts import mark_starting
     from ..session import execute, resume_prepared
     from .crash import log_to_run
 
     log_to_run(run_id)  # nobody watches this process's stderr: a crash must reach the run's log
+    mark_starting(run_dir(run_id))  # until it holds the run lock, the agent must not start it beside us
     execute(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet)
 
 

@@ -251,6 +251,8 @@ def resume(ledger, run: dict) -> str:
         raise RunStateError(f"run {run['id']} was cancelled; submit the job again for a new run")
     folder = remote_run_dir(run)
     status, _ = job_status(run)
+    if status in ("PENDING", "RUNNING") and run["status"] in ("paused", "interrupted"):
+        status = _wait_for_job_end(run)  # the run said it stopped; Ray sees its process exit a moment later
     for requester in ("user", "agent"):  # the owner asked for it: earlier pause requests are void
         clear_request(folder, requester)
     if status in ("PENDING", "RUNNING"):
@@ -268,6 +270,24 @@ def resume(ledger, run: dict) -> str:
         ledger.set_status(run["id"], "submitted", "remote_submitted", target=run["target"],
                           address=info["address"], submission_id=submission_id, resume=True)
     return f"resubmitted as {submission_id}"
+
+
+def _wait_for_job_end(run: dict, timeout: float = 60.0) -> str:
+    """Ray's status of a job whose run has said it stopped, once Ray has seen the process exit.
+
+    Resuming while Ray still says RUNNING would only clear requests of a process on its way out."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        status, _ = job_status(run)
+        if status not in ("PENDING", "RUNNING"):
+            return status
+        if time.monotonic() > deadline:
+            raise RemoteError(f"run {run['id']} says it {run['status']}, but after {timeout:.0f} s Ray still "
+                              f"reports its job {run['remote_job_id']} {status}; try `lodger resume {run['id']}` "
+                              "again in a moment, or `lodger sync` to see what Ray says")
+        time.sleep(0.2)  # a poll inside a bounded wait
 
 
 def cancel(ledger, run: dict) -> bool:
