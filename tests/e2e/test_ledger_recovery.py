@@ -104,6 +104,8 @@ def test_kill_at_ledger_fault_point_then_resume_leaves_the_ledger_complete(point
     assert compared.returncode == 0, describe(compared)
     verdict = json.loads(compared.stdout)["verdict"]
     assert verdict.startswith("bitwise equal"), verdict
+    audited = run_lodger(["audit"], lodger_env(home))  # recovered rows are chained like live ones
+    assert audited.returncode == 0, describe(audited)
 
 
 def _assert_ledger_complete(home: Path, run_id: str, recovered: bool) -> None:
