@@ -7,6 +7,7 @@ each run records its own `held` and `continued` events, and the lease records wh
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import tomllib
@@ -16,8 +17,15 @@ from ..home import run_dir
 from ..ledger import Ledger
 from ..runlock import is_locked, lock_pid
 
+LOG = logging.getLogger("lodger.serve")
+
 
 class InferenceLease:
+    """While requests are in flight (and a grace period after), eligible runs are asked to hold.
+
+    ``begin()``/``end()`` pair around every request (``end`` in a ``finally``); a background loop
+    withdraws the hold requests once the server has been idle for each run's grace period."""
+
     def __init__(self, enabled: bool = True, poll_seconds: float = 0.2):
         self.enabled = enabled
         self.inflight = 0
@@ -42,18 +50,36 @@ class InferenceLease:
                     found[run["id"]] = float(policy.get("inference_grace_seconds", 3.0))
         return found
 
-    def begin(self) -> None:
-        """A request starts: make sure eligible runs are asked to hold."""
+    def begin(self) -> list[str]:
+        """A request starts: make sure eligible runs are asked to hold; returns the runs held for it.
+
+        Counted in flight before anything that can fail, so that the caller's ``end()`` (in its
+        ``finally``) always balances it; a run that cannot be asked is logged and skipped (the
+        request is served anyway, without that run yielding)."""
         if not self.enabled:
-            return
+            return []
         with self.lock:
             self.inflight += 1
-            for run_id, grace in self._eligible().items():
+            try:
+                eligible = self._eligible()
+            except Exception as exc:  # e.g. the ledger locked or unreadable: serve without holding
+                LOG.warning("cannot read which runs should hold for inference: %s", exc)
+                return list(self.holding)
+            for run_id, grace in eligible.items():
                 if run_id not in self.holding:
-                    folder = run_dir(run_id)
-                    write_request(folder, "serve", "hold", "inference requests in flight")
-                    notify(lock_pid(folder) or 0)
-                    self.holding[run_id] = grace
+                    self._hold(run_id, grace)
+            return list(self.holding)
+
+    def _hold(self, run_id: str, grace: float) -> None:
+        folder = run_dir(run_id)
+        # Remembered before the request is written: if writing fails half-way, the release loop
+        # still withdraws whatever was written.
+        self.holding[run_id] = grace
+        try:
+            write_request(folder, "serve", "hold", "inference requests in flight")
+            notify(lock_pid(folder) or 0)
+        except Exception as exc:
+            LOG.warning("cannot ask run %s to hold for inference (%s); serving without it yielding", run_id, exc)
 
     def end(self) -> None:
         if not self.enabled:
@@ -73,10 +99,15 @@ class InferenceLease:
                         self._release(run_id)
 
     def _release(self, run_id: str) -> None:
+        """Withdraw our hold request; on failure keep it listed, so the next poll tries again."""
         folder = run_dir(run_id)
-        if "serve" in read_requests(folder):
-            clear_request(folder, "serve")
-            notify(lock_pid(folder) or 0)
+        try:
+            if "serve" in read_requests(folder):
+                clear_request(folder, "serve")
+                notify(lock_pid(folder) or 0)
+        except Exception as exc:  # the loop must not die: a hold nobody withdraws stops training for good
+            LOG.warning("cannot withdraw the hold of run %s (%s); retrying", run_id, exc)
+            return
         del self.holding[run_id]
 
     def close(self) -> None:
