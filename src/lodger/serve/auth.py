@@ -95,11 +95,11 @@ def token_matches(header: str | None, token: str) -> bool:
 
 def allowed_hosts(bound_host: str, port: int, extra: tuple[str, ...] = ()) -> frozenset[str]:
     """The Host header values this server answers: loopback names, the bound host, ``extra``; each
-    with our port (and without, as clients on port 80 send it)."""
+    with our port (and without it only on port 80, where clients leave it out)."""
     names = set(LOOPBACK_NAMES) | {n.lower() for n in extra}
     if bound_host not in ("0.0.0.0", "::", ""):
         names.add(f"[{bound_host}]" if ":" in bound_host and not bound_host.startswith("[") else bound_host.lower())
-    return frozenset({f"{n}:{port}" for n in names} | names)
+    return frozenset({f"{n}:{port}" for n in names} | (names if port == 80 else set()))
 
 
 def error_body(status: int, message: str, kind: str, code: str | None, param: str | None = None) -> bytes:

@@ -7,6 +7,7 @@ each run records its own `held` and `continued` events, and the lease records wh
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -45,9 +46,13 @@ class InferenceLease:
             for run in ledger.runs():
                 if run["status"] not in ("running", "held") or not is_locked(run_dir(run["id"])):
                     continue
-                policy = tomllib.loads(run["job_toml"]).get("policy", {})
-                if policy.get("enabled", True) and policy.get("yield_to_inference", True):
-                    found[run["id"]] = float(policy.get("inference_grace_seconds", 3.0))
+                try:
+                    policy = tomllib.loads(run["job_toml"]).get("policy", {})
+                    if policy.get("enabled", True) and policy.get("yield_to_inference", True):
+                        found[run["id"]] = float(policy.get("inference_grace_seconds", 3.0))
+                except (tomllib.TOMLDecodeError, TypeError, ValueError, AttributeError) as exc:
+                    LOG.warning("run %s: cannot read its [policy] (%s); it does not yield to inference",
+                                run["id"], exc)
         return found
 
     def begin(self) -> list[str]:
@@ -72,14 +77,18 @@ class InferenceLease:
 
     def _hold(self, run_id: str, grace: float) -> None:
         folder = run_dir(run_id)
-        # Remembered before the request is written: if writing fails half-way, the release loop
-        # still withdraws whatever was written.
-        self.holding[run_id] = grace
         try:
             write_request(folder, "serve", "hold", "inference requests in flight")
-            notify(lock_pid(folder) or 0)
-        except Exception as exc:
+        except Exception as exc:  # an unwritable run folder, a broken control folder, a full disk
             LOG.warning("cannot ask run %s to hold for inference (%s); serving without it yielding", run_id, exc)
+            with contextlib.suppress(OSError):
+                clear_request(folder, "serve")
+            return
+        self.holding[run_id] = grace  # from here on the release loop withdraws the request
+        try:
+            notify(lock_pid(folder) or 0)
+        except OSError as exc:
+            LOG.warning("cannot wake run %s (%s); it sees the hold request at its next look", run_id, exc)
 
     def end(self) -> None:
         if not self.enabled:
