@@ -60,7 +60,7 @@ class RemoteChat:
     """A running `lodger serve`, through its OpenAI API, with the token of $LODGER_HOME/serve-token."""
 
     def __init__(self, url: str, model: str, token: str | None, max_tokens: int, temperature: float):
-        self.url, self.name, self.token = url.rstrip("/"), model, token
+        self.url, self.name, self.first, self.token = url.rstrip("/"), model, model, token
         self.max_tokens, self.temperature = max_tokens, temperature
         self.label = self.switch(model)
 
@@ -87,7 +87,7 @@ class RemoteChat:
         if what.isdigit():
             raise LodgerError("a running server serves each run's newest checkpoint only: to compare steps, "
                               "chat without --url (the model is then loaded here)")
-        name = self.name if what == "latest" else what
+        name = self.first if what == "latest" else what
         with self._request(f"/v1/models/{urllib.request.quote(name, safe='')}") as response:
             model = json.loads(response.read())
         self.name = name
