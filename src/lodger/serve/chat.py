@@ -6,6 +6,7 @@ side (prompt, echo, Ctrl-C) is in ``cli/serve.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -30,18 +31,28 @@ class LocalChat:
         """`latest` (the run's newest checkpoint, followed), `base`, or a step number."""
         if what in ("latest", self.run_id):
             self.name = self.run_id
-            self.engine.refresh(self.engine.slots[self.run_id])
+            with contextlib.suppress(Exception):  # as in reply(): the current adapter goes on answering
+                self.engine.refresh(self.engine.slots[self.run_id])
         elif what == "base":
             self.name = "base"
         elif what.isdigit():
-            self.name = self.engine.add_checkpoint(self.run_id, int(what)).name
+            try:
+                self.name = self.engine.add_checkpoint(self.run_id, int(what)).name
+            except LodgerError:
+                raise
+            except Exception as exc:  # verified by its manifest, yet peft cannot load it
+                raise LodgerError(f"checkpoint step {what} of {self.run_id} does not load as an adapter: "
+                                  f"{exc}") from None
         else:
             raise LodgerError(f"/adapter {what}: give a step number (e.g. /adapter 20), `latest` or `base`")
         return self.label
 
     def reply(self, messages: list[dict]) -> Iterator[str]:
         if self.name == self.run_id:
-            self.engine.refresh(self.engine.slots[self.run_id])  # a checkpoint committed since the last turn
+            # A checkpoint committed since the last turn; one that does not load leaves the current
+            # adapter answering, as the server's reload does.
+            with contextlib.suppress(Exception):
+                self.engine.refresh(self.engine.slots[self.run_id])
         ids = self.engine.encode_chat(messages)
         room = self.engine.context_length - len(ids)
         if room <= 0:
