@@ -85,9 +85,9 @@ def create_app(engine: Engine, *, guard: Guard | None = None, max_queue: int = 8
     app.add_api_route("/v1/models/{model_id}", retrieve_model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
-    if guard is not None:
-        app.add_middleware(GuardMiddleware, guard=guard)
     app.add_middleware(CatchAll)
+    if guard is not None:  # outermost: refuses before anything runs, and logs what CatchAll answered
+        app.add_middleware(GuardMiddleware, guard=guard)
     return app
 
 
@@ -134,8 +134,8 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
 
 
 class CatchAll:
-    """The outermost layer: an exception no handler took becomes a 500 in OpenAI's shape and one log
-    line (Starlette's own handler would print a traceback to the server's stderr)."""
+    """An exception no handler took becomes a 500 in OpenAI's shape and one log line (Starlette's
+    own handler, outside it, would print a traceback to the server's stderr)."""
 
     def __init__(self, app):
         self.app = app
