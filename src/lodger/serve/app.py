@@ -268,9 +268,9 @@ class Generation:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     def _work(self) -> None:
-        body, leased = self.body, False
+        body = self.body
         try:
-            leased = True
+            # begin() counts the request in flight before anything that can fail: end() balances it
             self.record["held"] = self.state.lease.begin()
             penalties = Penalties(body.frequency_penalty, body.presence_penalty, body.repetition_penalty)
             generator = self.state.engine.generate(body.model, self.ids, max_tokens=self.max_tokens,
@@ -288,10 +288,11 @@ class Generation:
             LOG.error("generation failed for %s: %s: %s", body.model, type(exc).__name__, exc)
             self._put(exc)
         finally:
-            if leased:
+            try:
                 self.state.lease.end()
-            self.state.leave()
-            self._put(None)
+            finally:
+                self.state.leave()
+                self._put(None)
 
     async def pieces(self):
         try:

@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LodgerError
@@ -102,7 +102,7 @@ def allowed_hosts(bound_host: str, port: int, extra: tuple[str, ...] = ()) -> fr
     return frozenset({f"{n}:{port}" for n in names} | (names if port == 80 else set()))
 
 
-def error_body(status: int, message: str, kind: str, code: str | None, param: str | None = None) -> bytes:
+def error_body(message: str, kind: str, code: str | None, param: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
 
@@ -112,7 +112,6 @@ class Guard:
 
     token: str | None
     hosts: frozenset[str]
-    requests: int = field(default=0)
 
 
 class GuardMiddleware:
@@ -166,7 +165,7 @@ def _header(scope, name: bytes) -> str | None:
 
 
 async def _send_error(send, status: int, message: str, kind: str, code: str) -> None:
-    body = error_body(status, message, kind, code)
+    body = error_body(message, kind, code)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
