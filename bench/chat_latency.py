@@ -147,7 +147,9 @@ class Server:
     def client(self):
         import openai
 
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0, timeout=600)
+        # the token `lodger serve` made on first use in the bench home (or LODGER_API_TOKEN, which it then uses)
+        token = os.environ.get("LODGER_API_TOKEN") or (common.bench_home() / "serve-token").read_text().strip()
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=token, max_retries=0, timeout=600)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -8,7 +8,9 @@
 - The inference lease: a request makes a training run hold (ledger + control/state.json), the run
   continues after its grace period, and its final adapter is bitwise the uninterrupted run's.
 - Bad requests get OpenAI-shaped 4xx errors and the server keeps serving; --max-queue, --token and
-  --host are enforced; `lodger chat` works through stdin.
+  --host are enforced; `lodger chat` works through stdin. Every server here requires a token (the
+  one it creates in $LODGER_HOME/serve-token, or --token); serve_helpers.Server sends it.
+  test_serve_security.py, test_serve_openai.py and test_chat_terminal.py test the rest of serve.
 
 Servers serve the tiny model: `served` a copy of the session's baseline run (helpers.STANDARD_JOB,
 finished; no training of its own); `guarded` the base model behind --max-queue 1 --token, and the
@@ -18,12 +20,10 @@ runs of its home yield to it (the lease tests); `reloading` follows a run that t
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -34,90 +34,11 @@ import httpx
 import openai
 import pytest
 
-from helpers import (LODGER, STANDARD_JOB, Running, checkpoint_dirs, describe, final_adapter_bytes, lodger_env,
+from helpers import (LODGER, STANDARD_JOB, checkpoint_dirs, describe, final_adapter_bytes, home_of, lodger_env,
                      run_lodger, show, start_lodger, wait_for_step, wait_until, write_job)
+from serve_helpers import QUESTION, Server, assert_error, free_port, start_server
 from lodger.control import clear_request, notify, read_requests, run_state, write_request
 from lodger.runlock import is_locked, lock_pid
-
-QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
-ERROR_KEYS = {"message", "type", "param", "code"}
-SERVER_START_TIMEOUT = 240  # imports and model loading, on a busy 2-core machine
-
-
-# -- servers ------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    proc: Running
-    port: int
-    home: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, api_key: str = "x") -> openai.OpenAI:
-        # no retries: a 429 or a 5xx must reach the test as it is
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=120)
-
-    def post(self, path: str, body, headers: dict | None = None, **kw) -> httpx.Response:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return httpx.post(self.url + path, content=content, timeout=120,
-                          headers={"content-type": "application/json", **(headers or {})}, **kw)
-
-    def close(self) -> None:
-        if self.proc.proc.poll() is None:
-            self.proc.proc.terminate()
-            try:
-                self.proc.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.close()
-
-
-def start_server(args: list[str], env: dict[str, str], log_dir: Path) -> Server:
-    """`lodger serve ARGS --port P`; returns once it answers HTTP (any status: /health may want a token)."""
-    port = free_port()
-    proc = start_lodger(["serve", *args, "--port", str(port)], env, log_dir)
-    server = Server(proc, port, Path(env["LODGER_HOME"]))
-
-    def answers() -> bool:
-        try:
-            httpx.get(server.url + "/health", timeout=5)
-            return True
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(answers, SERVER_START_TIMEOUT, proc.proc, what="the server to answer", output=proc,
-                   interval=0.05)
-    except BaseException:
-        server.close()
-        raise
-    return server
-
-
-def assert_error(response: httpx.Response, status: int, *, code: str | None = None, param: str | None = None,
-                 kind: str | None = None) -> dict:
-    """An OpenAI-shaped error: {"error": {"message", "type", "param", "code"}} with this status."""
-    assert response.status_code == status, f"{response.status_code} {response.text}"
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
-    error = body["error"]
-    assert isinstance(error["message"], str) and error["message"], body
-    assert isinstance(error["type"], str) and error["type"], body
-    if code is not None:
-        assert error["code"] == code, body
-    if param is not None:
-        assert error["param"] == param, body
-    if kind is not None:
-        assert error["type"] == kind, body
-    return error
 
 
 def stream_chat(client: openai.OpenAI, model: str, messages=QUESTION, **kw) -> tuple[list[str], list, str | None]:
@@ -274,7 +195,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=run_id, messages=QUESTION, temperature=5)
 
-    health = httpx.get(server.url + "/health", timeout=30)
+    health = server.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
     assert health.json()["in_flight"] == 0, "a refused request must not stay counted"
     assert server.client().chat.completions.create(model=run_id, messages=QUESTION, max_tokens=2).choices
@@ -310,7 +231,8 @@ def guarded(tiny_model_dir, tmp_path_factory) -> Server:
     env = lodger_env(home)
     env.pop("LODGER_API_TOKEN", None)
     server = start_server(["--model", str(tiny_model_dir), "--max-queue", "1", "--token", "secret"], env,
-                          tmp_path_factory.mktemp("guarded_logs"))
+                          tmp_path_factory.mktemp("guarded_logs"), token="secret")
+    assert not (home / "serve-token").exists(), "an explicit --token must not create a token file"
     yield server
     server.close()
 
@@ -319,10 +241,12 @@ AUTH = {"authorization": "Bearer secret"}
 
 
 def test_token_is_required_when_set(guarded):
-    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "secret"}):
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "secret"},
+                    {"authorization": "Bearer secre"}, {"authorization": "Bearer secret2"}):
         assert_error(httpx.get(guarded.url + "/v1/models", headers=headers, timeout=30), 401,
                      code="invalid_api_key")
-        assert_error(guarded.post("/v1/chat/completions", {"model": "base", "messages": QUESTION}, headers), 401)
+        assert_error(httpx.post(guarded.url + "/v1/chat/completions", json={"model": "base", "messages": QUESTION},
+                                headers=headers, timeout=30), 401)
     assert httpx.get(guarded.url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
     assert httpx.get(guarded.url + "/health", headers=AUTH, timeout=30).status_code == 200
     with pytest.raises(openai.AuthenticationError):
@@ -355,11 +279,12 @@ def test_requests_past_max_queue_get_429_and_the_slot_comes_back(guarded):
 def test_serving_beyond_localhost_without_a_token_refuses_to_start(tiny_model_dir):
     env = lodger_env()
     env.pop("LODGER_API_TOKEN", None)
-    result = run_lodger(["serve", "--model", tiny_model_dir, "--host", "0.0.0.0", "--port", free_port()], env,
-                        timeout=120)
+    result = run_lodger(["serve", "--model", tiny_model_dir, "--host", "0.0.0.0", "--port", free_port(),
+                         "--no-auth"], env, timeout=120)
     assert result.returncode not in (0, None), describe(result)
-    assert "--token" in result.stderr and "0.0.0.0" in result.stderr, describe(result)
+    assert "--no-auth" in result.stderr and "0.0.0.0" in result.stderr, describe(result)
     assert "Traceback" not in result.stderr, describe(result)
+    assert not (home_of(env) / "serve-token").exists(), "refused before anything was written"
 
 
 # -- hot reload while a run trains ---------------------------------------------------------------------

@@ -25,7 +25,7 @@ class Slot:
     """A served name and the adapter version that currently answers for it."""
 
     name: str
-    kind: str                      # "base", "run" or "folder"
+    kind: str                      # "base", "run", "checkpoint" (one fixed step) or "folder"
     source: Path | None = None     # the run's checkpoints folder, or the adapter folder
     run_id: str | None = None
     version: str | None = None     # the peft adapter name now loaded, e.g. "myrun@step-00000020"
@@ -93,18 +93,45 @@ class Engine:
             except (LodgerError, OSError):
                 continue  # damaged, or pruned under our feet: try the next newest
             version = f"{slot.run_id}@{path.name}"
-            # Load from the verified bytes, copied aside before waiting for the lock: training may
-            # prune the checkpoint folder while a long request holds the engine.
-            with tempfile.TemporaryDirectory(prefix="lodger-adapter-") as tmp:
-                for name in ("adapter_config.json", "adapter_model.safetensors"):
-                    (Path(tmp) / name).write_bytes(checkpoint.files[name])
-                with self.lock:
-                    self._load_adapter(Path(tmp), version)
-                    old, slot.version, slot.step = slot.version, version, step
-                    if old and old != version:
-                        self.model.delete_adapter(old)
+            with self._verified_adapter(checkpoint, version):
+                old, slot.version, slot.step = slot.version, version, step
+                if old and old != version:
+                    self.model.delete_adapter(old)
             return True
         return False
+
+    def add_checkpoint(self, run_id: str, step: int) -> Slot:
+        """Serve one fixed checkpoint of a run as `RUN@step-NNNNNNNN` (to compare it with the newest)."""
+        store = CheckpointStore(run_dir(run_id) / "checkpoints", keep_last=2)
+        found = dict(store.committed())
+        if step not in found:
+            have = ", ".join(str(s) for s in sorted(found)) or "none"
+            raise LodgerError(f"run {run_id} has no committed checkpoint at step {step} (committed: {have})")
+        name = f"{run_id}@{found[step].name}"
+        if name not in self.slots:
+            with self._verified_adapter(store.load(found[step]), name):
+                self.slots[name] = Slot(name, "checkpoint", source=found[step], run_id=run_id, version=name,
+                                        step=step)
+        return self.slots[name]
+
+    @contextlib.contextmanager
+    def _verified_adapter(self, checkpoint, version: str):
+        """Load an adapter from a verified checkpoint's bytes under the engine lock, then run the body.
+
+        The bytes are copied aside before waiting for the lock: training may prune the checkpoint
+        folder while a long request holds the engine."""
+        with tempfile.TemporaryDirectory(prefix="lodger-adapter-") as tmp:
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                (Path(tmp) / name).write_bytes(checkpoint.files[name])
+            with self.lock:
+                try:
+                    self._load_adapter(Path(tmp), version)
+                except Exception:
+                    # a half-added adapter would make every retry fail with "already exists"
+                    if version in getattr(self.model, "peft_config", {}):
+                        self.model.delete_adapter(version)
+                    raise
+                yield
 
     def refresh_all(self) -> list[str]:
         return [s.version for s in list(self.slots.values()) if s.kind == "run" and self.refresh(s)]
@@ -118,9 +145,14 @@ class Engine:
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def generate(self, slot_name: str, ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, stop: list[str]) -> Iterator[tuple[str, str | None, str]]:
-        """Yield (text piece, finish reason or None, adapter version), holding the lock throughout."""
+                 seed: int | None, stop: list[str], penalties: "Penalties | None" = None,
+                 stats: dict | None = None) -> Iterator[tuple[str, str | None, str]]:
+        """Yield (text piece, finish reason or None, adapter version), holding the lock throughout;
+        ``stats["completion_tokens"]`` counts the tokens generated (the end-of-turn token not included)."""
         import torch
+
+        penalties = penalties or Penalties()
+        stats = stats if stats is not None else {}
 
         with self.lock:
             slot = self.slots[slot_name]
@@ -139,18 +171,21 @@ class Engine:
                 generator.seed()  # unseeded requests get fresh randomness
             input_ids = torch.tensor([ids])
             cache, produced, text_so_far, sent = None, [], "", 0
+            history = penalties.history(ids, self.base.get_output_embeddings().weight.shape[0])
             eos = self.tokenizer.eos_token_id
             holdback = max((len(x) for x in stop if x), default=1) - 1  # a stop string may span tokens
             with context, torch.no_grad():
                 for _ in range(max_tokens):
                     out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
                     cache = out.cache
-                    logits = out.logits[0, -1].float()
+                    logits = penalties.apply(out.logits[0, -1].float(), history)
                     token = _sample(logits, temperature, top_p, generator)
+                    history.add(token)
                     if token == eos:
                         yield text_so_far[sent:], "stop", version
                         return
                     produced.append(token)
+                    stats["completion_tokens"] = len(produced)
                     text_so_far = self.tokenizer.decode(produced, skip_special_tokens=True)
                     hit = next((s for s in stop if s and s in text_so_far), None)
                     if hit:
@@ -163,6 +198,54 @@ class Engine:
                         sent = safe
                     input_ids = torch.tensor([[token]])
             yield text_so_far[sent:], "length", version
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI's frequency and presence penalties (on the answer's tokens so far) and the
+    `repetition_penalty` extension (Hugging Face's: on every token of the prompt and the answer)."""
+
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.frequency or self.presence or self.repetition != 1.0)
+
+    def history(self, prompt_ids: list[int], vocab: int) -> "TokenHistory":
+        return TokenHistory(prompt_ids, vocab, self.active)
+
+    def apply(self, logits, history: "TokenHistory"):
+        """The logits with the penalties taken off (a new tensor; unchanged when none is set)."""
+        if not self.active:
+            return logits
+        logits = logits.clone()
+        if self.repetition != 1.0:
+            seen = history.seen
+            scaled = logits.where(logits < 0, logits / self.repetition)
+            scaled = scaled.where(logits >= 0, logits * self.repetition)
+            logits = logits.where(~seen, scaled)
+        counts = history.counts
+        return logits - counts * self.frequency - (counts > 0).float() * self.presence
+
+
+class TokenHistory:
+    """Which tokens the prompt and the answer hold (for repetition), and how often the answer has each."""
+
+    def __init__(self, prompt_ids: list[int], vocab: int, needed: bool):
+        import torch
+
+        size = vocab if needed else 0  # the logits' length
+        self.counts = torch.zeros(size)
+        self.seen = torch.zeros(size, dtype=torch.bool)
+        if needed and prompt_ids:
+            self.seen[torch.tensor(prompt_ids)] = True
+
+    def add(self, token: int) -> None:
+        if token < self.counts.shape[0]:
+            self.counts[token] += 1
+            self.seen[token] = True
 
 
 def _sample(logits, temperature: float, top_p: float, generator) -> int:
@@ -184,4 +267,4 @@ def describe(slot: Slot) -> dict:
             "lodger": {"kind": slot.kind, "version": slot.version, "step": slot.step}}
 
 
-__all__ = ["Engine", "Slot", "describe"]
+__all__ = ["Engine", "Penalties", "Slot", "describe"]

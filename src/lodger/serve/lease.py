@@ -7,17 +7,26 @@ each run records its own `held` and `continued` events, and the lease records wh
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 import tomllib
 
-from ..control import ask, read_requests
+from ..control import ask, clear_request, read_requests, wake, write_request
 from ..home import run_dir
 from ..ledger import Ledger
 from ..runlock import is_locked
 
+LOG = logging.getLogger("lodger.serve")
+
 
 class InferenceLease:
+    """While requests are in flight (and a grace period after), eligible runs are asked to hold.
+
+    ``begin()``/``end()`` pair around every request (``end`` in a ``finally``); a background loop
+    withdraws the hold requests once the server has been idle for each run's grace period."""
+
     def __init__(self, enabled: bool = True, poll_seconds: float = 0.2):
         self.enabled = enabled
         self.inflight = 0
@@ -37,22 +46,49 @@ class InferenceLease:
             for run in ledger.runs():
                 if run["status"] not in ("running", "held") or not is_locked(run_dir(run["id"])):
                     continue
-                policy = tomllib.loads(run["job_toml"]).get("policy", {})
-                if policy.get("enabled", True) and policy.get("yield_to_inference", True):
-                    found[run["id"]] = float(policy.get("inference_grace_seconds", 3.0))
+                try:
+                    policy = tomllib.loads(run["job_toml"]).get("policy", {})
+                    if policy.get("enabled", True) and policy.get("yield_to_inference", True):
+                        found[run["id"]] = float(policy.get("inference_grace_seconds", 3.0))
+                except (tomllib.TOMLDecodeError, TypeError, ValueError, AttributeError) as exc:
+                    LOG.warning("run %s: cannot read its [policy] (%s); it does not yield to inference",
+                                run["id"], exc)
         return found
 
-    def begin(self) -> None:
-        """A request starts: make sure eligible runs are asked to hold."""
+    def begin(self) -> list[str]:
+        """A request starts: make sure eligible runs are asked to hold; returns the runs held for it.
+
+        Counted in flight before anything that can fail, so that the caller's ``end()`` (in its
+        ``finally``) always balances it; a run that cannot be asked is logged and skipped (the
+        request is served anyway, without that run yielding)."""
         if not self.enabled:
-            return
+            return []
         with self.lock:
             self.inflight += 1
-            for run_id, grace in self._eligible().items():
+            try:
+                eligible = self._eligible()
+            except Exception as exc:  # e.g. the ledger locked or unreadable: serve without holding
+                LOG.warning("cannot read which runs should hold for inference: %s", exc)
+                return list(self.holding)
+            for run_id, grace in eligible.items():
                 if run_id not in self.holding:
-                    folder = run_dir(run_id)
-                    ask(folder, "serve", "hold", "inference requests in flight")
-                    self.holding[run_id] = grace
+                    self._hold(run_id, grace)
+            return list(self.holding)
+
+    def _hold(self, run_id: str, grace: float) -> None:
+        folder = run_dir(run_id)
+        try:
+            write_request(folder, "serve", "hold", "inference requests in flight")
+        except Exception as exc:  # an unwritable run folder, a broken control folder, a full disk
+            LOG.warning("cannot ask run %s to hold for inference (%s); serving without it yielding", run_id, exc)
+            with contextlib.suppress(OSError):
+                clear_request(folder, "serve")
+            return
+        self.holding[run_id] = grace  # from here on the release loop withdraws the request
+        try:
+            wake(folder)  # only the verified holder of the run's lock is signalled
+        except OSError as exc:
+            LOG.warning("cannot wake run %s (%s); it sees the hold request at its next look", run_id, exc)
 
     def end(self) -> None:
         if not self.enabled:
@@ -72,9 +108,14 @@ class InferenceLease:
                         self._release(run_id)
 
     def _release(self, run_id: str) -> None:
+        """Withdraw our hold request; on failure keep it listed, so the next poll tries again."""
         folder = run_dir(run_id)
-        if "serve" in read_requests(folder):
-            ask(folder, "serve", None)
+        try:
+            if "serve" in read_requests(folder):
+                ask(folder, "serve", None)
+        except Exception as exc:  # the loop must not die: a hold nobody withdraws stops training for good
+            LOG.warning("cannot withdraw the hold of run %s (%s); retrying", run_id, exc)
+            return
         del self.holding[run_id]
 
     def close(self) -> None:

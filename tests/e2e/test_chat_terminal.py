@@ -1,0 +1,119 @@
+"""`lodger chat` at a real terminal (a pseudo-terminal driven by pexpect), as a person uses it.
+
+Arrow keys edit the line (the edited question gets the edited question's answer), Up recalls an
+earlier line, Ctrl-C during a reply stops that reply and the session goes on, keys typed during a
+reply appear neither in the reply nor in the next prompt, /reset and /adapter STEP work, and an
+empty line ends the session with exit code 0.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pexpect
+import pytest
+
+from helpers import LODGER, STANDARD_JOB, lodger_env
+
+LEFT, UP = "\x1b[D", "\x1b[A"
+PROMPT = "you>"  # prompt_toolkit draws the space after it as a cursor move
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[=>]")
+MAX_TOKENS = 480  # as long as the tiny model's context allows: Ctrl-C has a reply to interrupt
+
+
+@pytest.fixture
+def chat_home(baseline, tmp_path):
+    home = tmp_path / "home"
+    shutil.copytree(baseline.home, home)
+    return home
+
+
+@pytest.fixture
+def engine(chat_home, tiny_model_dir, monkeypatch):
+    """The same engine the chat loads, in this process, for the expected answers."""
+    from lodger.model import model_folder, resolve_source
+    from lodger.serve.engine import Engine
+
+    monkeypatch.setenv("LODGER_HOME", str(chat_home))
+    return Engine(model_folder(resolve_source(str(tiny_model_dir))))
+
+
+def answer(engine, run_id: str, history: list[dict], slot: str | None = None) -> str:
+    pieces = engine.generate(slot or run_id, engine.encode_chat(history), max_tokens=MAX_TOKENS, temperature=0,
+                             top_p=1.0, seed=None, stop=[])
+    return "".join(piece for piece, _, _ in pieces)
+
+
+def spawn(home, run_id: str) -> pexpect.spawn:
+    env = lodger_env(home, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    return pexpect.spawn(LODGER, ["chat", run_id, "--max-tokens", str(MAX_TOKENS)], env=env, encoding="utf-8",
+                         codec_errors="replace", dimensions=(50, 400), timeout=240)
+
+
+def reply_after(child: pexpect.spawn) -> str:
+    """The reply printed after `model> `, up to the next prompt (terminal escapes removed)."""
+    child.expect_exact("model> ")
+    child.expect_exact(PROMPT)
+    return ANSI.sub("", child.before).replace("\r\n", "\n").removesuffix("\n")
+
+
+def test_chat_at_a_terminal_edits_lines_stops_replies_and_goes_on(baseline, chat_home, engine):
+    run_id = baseline.run_id
+    engine.add_run(run_id, "lora")
+    question = {"role": "user", "content": "What is 2 + 3?"}
+    child = spawn(chat_home, run_id)
+    try:
+        child.expect_exact(f"chatting with {run_id}@step-{STANDARD_JOB['steps']:08d}")
+        child.expect_exact(PROMPT)
+
+        # keys typed during a reply, then Ctrl-C: the reply stops, the session goes on
+        child.send("Tell me more.\r")
+        child.expect(r"model> .")
+        started = child.after[len("model> "):]
+        child.send("zzz")
+        child.sendintr()
+        child.expect_exact("[stopped]")
+        partial = (started + ANSI.sub("", child.before)).replace("\r\n", "\n")
+        child.expect_exact(PROMPT)
+        assert "zzz" not in partial, "typed keys were echoed into the reply"
+        full = answer(engine, run_id, [{"role": "user", "content": "Tell me more."}])
+        assert full.startswith(partial) and len(partial) < len(full), (len(partial), len(full))
+        child.send("/reset\r")
+        child.expect_exact("(conversation forgotten)")
+        child.expect_exact(PROMPT)
+
+        # "Wht is 2 + 3?" with the cursor moved back 11 places and "a" inserted: "What is 2 + 3?"
+        child.send("Wht is 2 + 3?" + LEFT * 11 + "a\r")
+        reply = reply_after(child)
+        assert reply == answer(engine, run_id, [question]), "the edited line is what was sent"
+        assert "zzz" not in reply and "\x1b" not in reply and "[D" not in reply
+        child.send("/reset\r")
+        child.expect_exact(PROMPT)
+
+        # Up recalls earlier lines; the keys typed during the stopped reply were dropped
+        child.send(UP + UP + "\r")  # the line before the last /reset: "What is 2 + 3?"
+        child.expect_exact("model> ")
+        line = ANSI.sub("", child.before)
+        assert "What is 2 + 3?" in line and "zzz" not in line and "Tell me more" not in line, repr(line)
+        child.expect_exact(PROMPT)
+        child.send("/reset\r")
+        child.expect_exact(PROMPT)
+
+        older = STANDARD_JOB["steps"] - STANDARD_JOB["every_steps"]  # the previous checkpoint kept
+        child.send(f"/adapter {older}\r")
+        child.expect_exact(f"(now answering: {run_id}@step-{older:08d})")
+        child.send("What is 2 + 3?\r")
+        assert reply_after(child) == answer(engine, run_id, [question],
+                                            slot=engine.add_checkpoint(run_id, older).name)
+        child.send("/adapter 3\r")
+        child.expect_exact("no committed checkpoint at step 3")
+        child.send("/adapter latest\r")
+        child.expect_exact(f"(now answering: {run_id}@step-{STANDARD_JOB['steps']:08d})")
+
+        child.send("\r")  # an empty line ends the session
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)
+    assert "Aborted" not in (child.before or "")
