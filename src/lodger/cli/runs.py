@@ -28,34 +28,49 @@ def live_status(run: dict) -> str:
     return run["status"]
 
 
+def output_width() -> int | None:
+    """The terminal's width ($COLUMNS first); None when printing into a pipe or a file (no limit)."""
+    import os
+    import shutil
+
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
 @click.command(name="ls")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (exact numbers).")
 def ls(as_json: bool) -> None:
-    """List runs: id, status, model, method, step, loss, started.
+    """List runs: id, status, step (and the last checkpoint's), loss, model, method, started.
+
+    Run ids are never cut: in a narrow terminal the least useful columns go first. Every
+    command takes a run's full id or any unique start of it.
 
     Example: lodger ls
     """
+    from ..home import run_dir
     from ..ledger import Ledger
+    from ..runview import loss_text, progress, step_text, table
 
     with Ledger() as ledger:
         runs = ledger.runs()
     for run in runs:
         run["status"] = live_status(run)
+        run["progress"] = progress(run, run_dir(run["id"]))
     if as_json:
-        keys = ("id", "status", "model", "method", "step", "total_steps", "loss", "created")
-        click.echo(json.dumps([{k: r[k] for k in keys} for r in runs], indent=1))
+        keys = ("id", "status", "model", "method", "total_steps", "created")
+        click.echo(json.dumps([{**{k: r[k] for k in keys}, "step": r["progress"]["step"],
+                                "checkpoint_step": r["progress"]["checkpoint_step"], "loss": r["progress"]["loss"]}
+                               for r in runs], indent=1))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(box=None)
-    for column in ("run", "status", "model", "method", "step", "loss", "started"):
-        table.add_column(column)
-    for r in runs:
-        loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
-        table.add_row(r["id"], r["status"], Path(r["model"]).name, r["method"],
-                      f"{r['step']}/{r['total_steps']}", loss, _when(r["created"]))
-    Console().print(table)
+    if not runs:
+        click.echo("no runs yet; start one with `lodger run JOB`")
+        return
+    rows = [[r["id"], r["status"], step_text(r["progress"]), loss_text(r["progress"]["loss"]),
+             Path(r["model"]).name, r["method"], _when(r["created"])] for r in runs]
+    header = ["run", "status", "step", "loss", "model", "method", "started"]
+    for line in table(rows, header, output_width()):
+        click.echo(line)
 
 
 @click.command()
