@@ -521,8 +521,23 @@ class Session:
                             segment=self.progress.segment)
 
 
-def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = False) -> str:
-    """Train a run in this process until it finishes or is interrupted; return the final status."""
+def take_run(run_id: str) -> tuple[Control, RunLock]:
+    """Make this process the one training ``run_id``: handlers first, then the lock (from the moment
+    the lock names our pid, a pause request is caught, not fatal). A detached worker does this
+    before validating and tokenising, so a pause sent while it starts is answered, not refused."""
+    folder = run_dir(run_id)
+    # A limit is judged afresh by every process (`lodger resume` clears the user's and the agent's
+    # requests itself; a user's hold survives a reboot).
+    clear_request(folder, "limit")
+    control = Control(folder).install_signal_handlers()
+    return control, RunLock(folder)
+
+
+def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = False,
+            taken: tuple[Control, RunLock] | None = None) -> str:
+    """Train a run in this process until it finishes or is interrupted; return the final status.
+
+    ``taken``: what ``take_run`` returned, when this process took the run early (one process only)."""
     from . import distributed as dist
 
     folder = run_dir(run_id)
@@ -536,7 +551,7 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         ranks = dist.init(world, prepared.device)
         if ranks.rank > 0:
             return _execute_quiet_rank(run_id, prepared, resuming=resuming, ranks=ranks)
-    return _execute(run_id, prepared, resuming=resuming, quiet=quiet, ranks=ranks)
+    return _execute(run_id, prepared, resuming=resuming, quiet=quiet, ranks=ranks, taken=taken)
 
 
 def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, ranks: Ranks) -> str:
@@ -558,16 +573,12 @@ def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, rank
     return status
 
 
-def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ranks: Ranks) -> str:
+def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ranks: Ranks,
+             taken: tuple[Control, RunLock] | None) -> str:
     from .train.loop import train
 
     folder = run_dir(run_id)
-    # A limit is judged afresh by every process (`lodger resume` clears the user's and the agent's
-    # requests itself; a user's hold survives a reboot). Then the handlers, then the lock: from the
-    # moment the lock names our pid, a pause request is caught, not fatal.
-    clear_request(folder, "limit")
-    control = Control(folder).install_signal_handlers()
-    lock = RunLock(folder)
+    control, lock = taken or take_run(run_id)
     ledger = Ledger()
     try:
         session = Session(run_id, prepared, ledger, quiet=quiet, control=control, ranks=ranks)

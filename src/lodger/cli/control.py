@@ -147,9 +147,22 @@ def status(as_json: bool) -> None:
 @click.option("--quiet/--no-quiet", default=True)
 def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None, quiet: bool) -> None:
     """Train RUN in this (detached) process, or as one rank under torchrun; used by --detach and the agent."""
-    from ..session import execute, resume_prepared
+    from ..distributed import inside_launch
+    from ..session import execute, resume_prepared, take_run
 
-    execute(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet)
+    # One process training alone takes the run at once (--detach returns when it has); with
+    # several ranks, rank 0 (a grandchild of this process) takes it.
+    alone = not inside_launch() and (world_size or _job_world_size(run_id)) == 1
+    taken = take_run(run_id) if alone else None
+    execute(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet, taken=taken)
+
+
+def _job_world_size(run_id: str) -> int:
+    from ..config import load_job
+    from ..home import run_dir
+    from ..session import JOB_FILE
+
+    return load_job(run_dir(run_id) / JOB_FILE).training.world_size
 
 
 COMMANDS = [pause, status, worker]

@@ -63,6 +63,9 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     from ..session import prepare
 
     cfg = load_job(job)
+    from .train import _announce_first_use
+
+    _announce_first_use(cfg, quiet=False)  # on stderr: --json output stays clean
     prepared = prepare(cfg)
     threads = cfg.training.threads or len(os.sched_getaffinity(0))
     model_config = json.loads((prepared.folder / "config.json").read_text())

@@ -42,40 +42,67 @@ def init(file: Path, force: bool) -> None:
 @click.command()
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--threads", type=click.IntRange(1, 1024), help="Override [training] threads.")
-@click.option("--quiet", is_flag=True, help="Only errors on the terminal (log.txt still gets everything).")
-@click.option("--detach", is_flag=True, help="Train in the background (survives the terminal); print the run id.")
+@click.option("--quiet", is_flag=True, help="Print only the run id and errors (log.txt still gets everything).")
+@click.option("--detach", is_flag=True, help="Train in the background (survives the terminal); return once it "
+                                             "has started and say how to follow it.")
 @click.option("--force", is_flag=True, help="Run even if the memory estimate says it will not fit (recorded).")
 def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) -> None:
     """Train the job in JOB (a TOML file), in this terminal or in the background (--detach).
 
-    Everything is validated before anything is written. Ctrl-C or SIGTERM commits a checkpoint
-    at the next step and exits 0; a second Ctrl-C quits at once. Continue with `lodger resume RUN`.
+    Everything is validated before anything is written. At a terminal a live line shows step,
+    loss, elapsed time, ETA and target tokens/s; elsewhere plain step lines are printed. The
+    first line of output is always `run RUN-ID`. Ctrl-C or SIGTERM commits a checkpoint at the
+    next step and exits 0; a second Ctrl-C quits at once. Continue with `lodger resume RUN`.
 
-    Example: lodger run my-job.toml --detach
+    \b
+    Example: lodger run my-job.toml
+             lodger run my-job.toml --detach
     """
+    from ..config import load_job
     from ..session import create_run, execute
 
+    _announce_first_use(load_job(job), quiet)
     run_id, prepared = create_run(job, threads, managed=detach, force=force)
-    click.echo(f"run {run_id}")
-    for use in prepared.job.data_uses():
-        if use.dataset is None:  # allowed by the default policy; recorded in the run's provenance
-            click.echo(f"warning: [data] {use.role} = {str(use.file.path)!r} is not a registered dataset "
-                       f"(sha256 {use.file.sha256}); register it with `lodger data add {use.file.path} --name NAME "
-                       "--license L --owner O`, or refuse such files with [datasets] unregistered = \"strict\" "
-                       "in $LODGER_HOME/config.toml", err=True)
+    click.echo(f"run {run_id}")  # the command's result, under --quiet too: scripts read the id here
+    if not quiet:
+        _note_unregistered(prepared)
     if detach:
-        _detach(run_id, fresh=True)
+        _detach(run_id, fresh=True, world_size=prepared.job.training.world_size)
         return
     execute(run_id, prepared, resuming=False, quiet=quiet)
 
 
-def _detach(run_id: str, fresh: bool, extra: list[str] | None = None) -> None:
+def _announce_first_use(job, quiet: bool) -> None:
+    """Say what is happening before a model's first use takes a while (converting a GGUF file)."""
+    from ..model import preparation_notice, resolve_source
+
+    notice = preparation_notice(resolve_source(job.model.source))
+    if notice and not quiet:
+        click.echo(notice, err=True)
+
+
+def _note_unregistered(prepared) -> None:
+    """One line for data files that are not registered datasets (allowed here; kept in provenance)."""
+    files = [f"{use.role} ({use.file.path.name})" for use in prepared.job.data_uses() if use.dataset is None]
+    if files:
+        click.echo(f"note: {', '.join(files)} not a registered dataset; fine on this machine (recorded in the "
+                   "run's provenance); `lodger data add FILE --name N --license L --owner O` registers one "
+                   "(docs/boundary.md)", err=True)
+
+
+def _detach(run_id: str, fresh: bool, world_size: int, extra: list[str] | None = None) -> None:
     from ..home import run_dir
-    from ..launch import spawn_worker, wait_until_running
+    from ..launch import spawn_worker, wait_until_running, wait_until_taken
 
     process = spawn_worker(run_id, fresh=fresh, extra=extra)
-    wait_until_running(run_id, process)
-    click.echo(f"training in the background (pid {process.pid}); log: {run_dir(run_id) / 'log.txt'}")
+    if world_size == 1:
+        wait_until_taken(run_id, process)  # under a second: the worker takes the run before loading anything
+    else:
+        wait_until_running(run_id, process)  # rank 0, a grandchild, takes the run once the ranks are up
+    click.echo(f"training in the background (pid {process.pid}); it loads the model, then trains\n"
+               f"  follow it:  lodger logs {run_id} -f\n"
+               f"  see it:     lodger status   (or lodger show {run_id})\n"
+               f"  log file:   {run_dir(run_id) / 'log.txt'}")
 
 
 @click.command()
@@ -85,8 +112,8 @@ def _detach(run_id: str, fresh: bool, extra: list[str] | None = None) -> None:
 @click.option("--world-size", type=click.IntRange(1, 1024),
               help="Override [training] world_size (processes); refused when the checkpoint was written by "
                    "another number of processes.")
-@click.option("--quiet", is_flag=True, help="Only errors on the terminal.")
-@click.option("--detach", is_flag=True, help="Continue in the background.")
+@click.option("--quiet", is_flag=True, help="Print only errors (log.txt still gets everything).")
+@click.option("--detach", is_flag=True, help="Continue in the background; return once it has started.")
 def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool, detach: bool) -> None:
     """Continue RUN: a held run where it stands, a stopped one from its newest good checkpoint.
 
@@ -97,8 +124,10 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
+    from ..config import load_job
     from ..control import clear_request, notify, read_requests, run_state
     from ..home import run_dir
+    from ..session import JOB_FILE
     from ..ledger import Ledger
     from ..runlock import is_locked, lock_pid
 
@@ -131,10 +160,13 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
     if detach:
         click.echo(f"run {run['id']}")
         extra = ([f"--threads={threads}"] if threads else []) + ([f"--world-size={world_size}"] if world_size else [])
-        _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(), extra=extra)
+        job = load_job(folder / JOB_FILE)
+        _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(),
+                world_size=world_size or job.training.world_size, extra=extra)
         return
     from ..session import execute, resume_prepared
 
+    _announce_first_use(load_job(folder / JOB_FILE), quiet)
     prepared = resume_prepared(run["id"], threads, world_size)
     execute(run["id"], prepared, resuming=True, quiet=quiet)
 
