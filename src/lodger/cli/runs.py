@@ -12,6 +12,13 @@ import click
 from ..errors import LodgerError
 
 
+def _human(value):
+    """Numbers rounded for people (4 decimals at most); `--json` keeps them exact."""
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 10_000 else (f"{value:.4f}".rstrip("0").rstrip(".") or "0")
+    return value
+
+
 def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
@@ -97,7 +104,10 @@ def show(run_id: str, as_json: bool) -> None:
     run["status"] = live_status(run)
     folder = run_dir(run["id"])
     checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
-    info = {"run": run, "folder": str(folder), "checkpoints": checkpoints,
+    from ..runview import loss_text, progress
+
+    now = progress(run, folder)
+    info = {"run": run, "progress": now, "folder": str(folder), "checkpoints": checkpoints,
             "last_train": train[-1] if train else None, "last_eval": evals[-1] if evals else None,
             "segments": len(provenance), "events": events}
     if as_json:
@@ -105,14 +115,17 @@ def show(run_id: str, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=1, default=str))
         return
     click.echo(f"run       {run['id']}  ({run['status']})")
-    click.echo(f"progress  step {run['step']}/{run['total_steps']}  loss {run['loss']}")
+    newest = f"; newest checkpoint at step {now['checkpoint_step']}" if now["checkpoint_step"] != now["step"] else ""
+    click.echo(f"progress  step {now['step']}/{run['total_steps']}  loss {loss_text(now['loss'])}{newest}")
     click.echo(f"model     {run['model']}  method {run['method']}")
     if run.get("target"):
         click.echo(f"remote    target {run['target']}  Ray submission {run['remote_job_id']}")
     click.echo(f"folder    {folder}")
     click.echo(f"last good checkpoint  {checkpoints[-1] if checkpoints else '-'}")
-    if info["last_eval"]:
-        click.echo(f"last eval step {info['last_eval']['step']}: eval_loss {info['last_eval']['eval_loss']:.4f}")
+    if now["eval_step"] is not None or info["last_eval"]:
+        step, loss = (now["eval_step"], now["eval_loss"]) if now["eval_step"] is not None else \
+            (info["last_eval"]["step"], info["last_eval"]["eval_loss"])
+        click.echo(f"last eval step {step}: eval_loss {loss_text(loss)}")
     if provenance:
         p = provenance[-1]
         code = p.get("code", {})
@@ -132,7 +145,8 @@ def show(run_id: str, as_json: bool) -> None:
                    f"(largest: {estimate['largest']}){measured}{' [forced past pre-flight]' if estimate['forced'] else ''}")
     click.echo("events:")
     for e in events:
-        data = ", ".join(f"{k}={v}" for k, v in e["data"].items() if k not in ("compute", "memory_estimate", "measured"))
+        data = ", ".join(f"{k}={_human(v)}" for k, v in e["data"].items()
+                         if k not in ("compute", "memory_estimate", "measured"))
         click.echo(f"  {_when(e['time'])}  {e['kind']:<18} {data}")
 
 
