@@ -25,6 +25,7 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
     sleeps. Both answer within one layer's compute. `lodger resume RUN` continues either kind, and
     neither changes the result.
 
+    \b
     Example: lodger pause my-job-20261129-101500-ab12 --hold
              lodger pause --all
     """

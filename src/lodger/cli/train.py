@@ -13,13 +13,16 @@ from ..errors import JobFileError, RunStateError
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite FILE if it exists.")
-def init(file: Path, force: bool) -> None:
+@click.option("--remote", is_flag=True, help="Add a commented [remote] section (the limits `lodger submit` needs).")
+def init(file: Path, force: bool, remote: bool) -> None:
     """Write a commented job file that runs as written.
 
     Beside it go train.jsonl and eval.jsonl (the bundled demo data) unless files of those names
     are already there. Edit the file, then train with `lodger run FILE`.
 
+    \b
     Example: lodger init my-job.toml
+             lodger init my-job.toml --remote
     """
     from importlib import resources
 
@@ -34,7 +37,7 @@ def init(file: Path, force: bool) -> None:
         if not (folder / name).exists():
             with resources.as_file(demo / name) as src:
                 shutil.copyfile(src, folder / name)
-    file.write_text(example_job("train.jsonl", "eval.jsonl"))
+    file.write_text(example_job("train.jsonl", "eval.jsonl", remote=remote))
     click.echo(f"wrote {file} (data: {folder / 'train.jsonl'}, {folder / 'eval.jsonl'})")
     click.echo(f"next: lodger run {file}")
 
