@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import click
@@ -64,24 +65,35 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     from ..config import load_job
     from ..session import create_run, execute
 
-    _announce_first_use(load_job(job), quiet)
+    started = time.monotonic()
+    announced = _announce_first_use(load_job(job), quiet)
     run_id, prepared = create_run(job, threads, managed=detach, force=force)
+    if announced:
+        _first_use_done(started)
     click.echo(f"run {run_id}")  # the command's result, under --quiet too: scripts read the id here
     if not quiet:
         _note_unregistered(prepared)
     if detach:
-        _detach(run_id, fresh=True, world_size=prepared.job.training.world_size)
+        _detach(run_id, fresh=True, world_size=prepared.job.training.world_size, quiet=quiet)
         return
     execute(run_id, prepared, resuming=False, quiet=quiet)
 
 
-def _announce_first_use(job, quiet: bool) -> None:
-    """Say what is happening before a model's first use takes a while (converting a GGUF file)."""
+def _announce_first_use(job, quiet: bool) -> bool:
+    """Say what is happening before a model's first use takes a while (converting a GGUF file);
+    True when it was said, so the caller can say when it is done."""
     from ..model import preparation_notice, resolve_source
 
     notice = preparation_notice(resolve_source(job.model.source))
     if notice and not quiet:
         click.echo(notice, err=True)
+    return bool(notice) and not quiet
+
+
+def _first_use_done(started: float) -> None:
+    import time
+
+    click.echo(f"model prepared in {time.monotonic() - started:.0f} s; later runs skip this step", err=True)
 
 
 def _note_unregistered(prepared) -> None:
@@ -93,7 +105,7 @@ def _note_unregistered(prepared) -> None:
                    "(docs/boundary.md)", err=True)
 
 
-def _detach(run_id: str, fresh: bool, world_size: int, extra: list[str] | None = None) -> None:
+def _detach(run_id: str, fresh: bool, world_size: int, extra: list[str] | None = None, quiet: bool = False) -> None:
     from ..home import run_dir
     from ..launch import spawn_worker, wait_until_running, wait_until_taken
 
@@ -102,6 +114,8 @@ def _detach(run_id: str, fresh: bool, world_size: int, extra: list[str] | None =
         wait_until_taken(run_id, process)  # under a second: the worker takes the run before loading anything
     else:
         wait_until_running(run_id, process)  # rank 0, a grandchild, takes the run once the ranks are up
+    if quiet:
+        return
     click.echo(f"training in the background (pid {process.pid}); it loads the model, then trains\n"
                f"  follow it:  lodger logs {run_id} -f\n"
                f"  see it:     lodger status   (or lodger show {run_id})\n"
@@ -165,13 +179,19 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
         extra = ([f"--threads={threads}"] if threads else []) + ([f"--world-size={world_size}"] if world_size else [])
         job = load_job(folder / JOB_FILE)
         _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(),
-                world_size=world_size or job.training.world_size, extra=extra)
+                world_size=world_size or job.training.world_size, extra=extra, quiet=quiet)
         return
     from ..session import execute, resume_prepared
 
-    _announce_first_use(load_job(folder / JOB_FILE), quiet)
+    from ..session import take_run
+
+    job = load_job(folder / JOB_FILE)
+    _announce_first_use(job, quiet)
+    # Alone, this process takes the run before checking data and tokenising: a pause sent
+    # meanwhile is answered as soon as the model is loaded, not refused as "not training".
+    taken = take_run(run["id"]) if (world_size or job.training.world_size) == 1 else None
     prepared = resume_prepared(run["id"], threads, world_size)
-    execute(run["id"], prepared, resuming=True, quiet=quiet)
+    execute(run["id"], prepared, resuming=True, quiet=quiet, taken=taken)
 
 
 COMMANDS = [init, run, resume]
