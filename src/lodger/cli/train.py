@@ -98,10 +98,11 @@ def _first_use_done(started: float) -> None:
 
 def _note_unregistered(prepared) -> None:
     """One line for data files that are not registered datasets (allowed here; kept in provenance)."""
-    files = [f"{use.role} ({use.file.path.name})" for use in prepared.job.data_uses() if use.dataset is None]
+    files = [f"[data] {use.role} = {str(use.file.path)!r}" for use in prepared.job.data_uses() if use.dataset is None]
     if files:
-        click.echo(f"note: {', '.join(files)} not a registered dataset; fine on this machine (recorded in the "
-                   "run's provenance); `lodger data add FILE --name N --license L --owner O` registers one "
+        verb = "is not a registered dataset" if len(files) == 1 else "are not registered datasets"
+        click.echo(f"warning: {' and '.join(files)} {verb}; allowed on this machine and recorded in the run's "
+                   "provenance; `lodger data add FILE --name N --license L --owner O` registers one "
                    "(docs/boundary.md)", err=True)
 
 
