@@ -113,3 +113,25 @@ def test_hold_and_release_during_an_eval_are_answered_inside_it_and_the_run_stay
     assert eval_losses(folder) == eval_baseline["evals"], "each eval once, with the uninterrupted run's numbers"
     assert final_adapter_bytes(folder) == eval_baseline["adapter"]
     assert [e["kind"] for e in info["events"]].count("held") == 1
+
+
+def test_sigterm_while_starting_stops_before_any_step(tiny_model_dir, e2e_data, lodger_home, tmp_path):
+    import os
+    import signal
+
+    job = write_job(tmp_path / "job.toml", model=tiny_model_dir, train=e2e_data["train"], name="early",
+                    steps=50, every_steps=10, eval_every=None)
+    env = lodger_env(lodger_home)
+    running = start_lodger(["run", job, "--quiet"], env, log_dir=tmp_path)
+    try:
+        folder = run_dir_of(running.run_id(), env)
+        wait_until(lambda: is_locked(folder) and lock_pid(folder), 120, running.proc, what="the run's lock",
+                   output=running, interval=0.002)
+        os.kill(running.proc.pid, signal.SIGTERM)  # while the model loads: no step has run yet
+        assert running.wait(120) == 0, describe(running)
+    finally:
+        running.close()
+    info = json.loads(run_lodger(["show", running.run_id(), "--json"], env).stdout)
+    assert info["run"]["status"] == "interrupted", info["run"]
+    trained = [r["step"] for r in read_metrics(folder) if r["kind"] == "train"]
+    assert trained == [], f"a stop asked for during start-up trained on: {trained}"

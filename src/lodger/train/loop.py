@@ -129,6 +129,8 @@ def _train_steps(s: "Session") -> str:
     s.model.train()
     if world == 1:  # several ranks answer requests together, once per step (Session.sync_step)
         install_yield_points(s.model, s.control)
+        if s.control.stop:
+            return "interrupted"  # Ctrl-C or SIGTERM while starting: nothing trained, nothing to commit
     if eval_due(s, p.step) and not s.has_eval_at(p.step):
         # The first eval, or one that a release abandoned (the checkpoint it left has no result for it).
         s.record_eval(p.step, evaluate(s, p.step))
