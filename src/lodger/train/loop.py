@@ -134,7 +134,7 @@ def _train_steps(s: "Session") -> str:
     if eval_due(s, p.step) and not s.has_eval_at(p.step):
         # The first eval, or one that a release abandoned (the checkpoint it left has no result for it).
         s.record_eval(p.step, evaluate(s, p.step))
-        if p.step == s.total_steps and s.has_eval_at(p.step):
+        if p.step == s.total_steps and s.has_eval_at(p.step) and world == 1:  # (ranks never abandon an eval)
             s.save_checkpoint()  # the last checkpoint carries the final eval, as in an uninterrupted run
     last_save = time.monotonic()
     while p.step < s.total_steps:
