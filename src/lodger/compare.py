@@ -177,36 +177,92 @@ def _verdict(c: Comparison, ra: dict, rb: dict, la: dict, lb: dict, tolerance: f
     if (c.max_loss_diff or 0.0) <= tolerance and (c.max_weight_diff or 0.0) <= tolerance:
         return (f"equal within tolerance {tolerance:g} (largest loss difference {c.max_loss_diff:.3g}, "
                 f"largest weight difference {c.max_weight_diff:.3g}), not bitwise{because}"), True
-    return (f"different: largest loss difference {c.max_loss_diff:.3g} at step {c.max_loss_diff_step}, "
-            f"largest weight difference {c.max_weight_diff}{because}"), False
+    weights = "final weights bitwise equal" if c.weights_equal else f"largest weight difference {c.max_weight_diff:.3g}"
+    return f"different: per-step losses {loss_difference_text(c)}, {weights}{because}", False
+
+
+def loss_difference_text(c: Comparison) -> str | None:
+    """"bitwise equal at every shared step", or the largest difference and where; None with no shared step."""
+    if c.max_loss_diff is None:
+        return None
+    if c.max_loss_diff == 0.0:
+        return "bitwise equal at every shared step"
+    return f"largest difference {c.max_loss_diff:.3g} (step {c.max_loss_diff_step})"
+
+
+MARKED = ("interrupted", "resumed", "killed")
+
+
+def _markers(c: Comparison) -> list[tuple[int, int, str]]:
+    """(run index, step, kind) of every interruption and resume that has a step, in order."""
+    return [(index, step, kind) for index, run_id in enumerate((c.a, c.b))
+            for kind, step, _ in c.interruptions.get(run_id, []) if step is not None and kind in MARKED]
 
 
 def plot(c: Comparison, path: Path) -> Path:
-    """Both loss curves, with interruption and resume points marked."""
+    """Write ``figure(c)`` to a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(c)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def figure(c: Comparison):
+    """Training losses with interruptions and resumes marked; eval losses; and, when the runs are
+    not bitwise equal, the per-step loss difference A - B."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+    from matplotlib.transforms import offset_copy
 
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    for index, (run_id, style) in enumerate(((c.a, "-"), (c.b, "--"))):
-        points = [(s, pair[index]) for s, *pair in c.losses if pair[index] is not None]
+    differs = c.max_loss_diff not in (None, 0.0) or c.weights_equal is False
+    rows = 3 if differs else 2
+    fig, axes = plt.subplots(rows, 1, figsize=(9, 2.6 * rows + 0.8), sharex=True, squeeze=True)
+    ax, ax_eval = axes[0], axes[1]
+    names = {0: f"A {c.a}", 1: f"B {c.b}"}
+    curves: list[dict[int, float]] = []
+    for index, style in ((0, "-"), (1, "--")):
+        points = {s: pair[index] for s, *pair in c.losses if pair[index] is not None}
+        curves.append(points)
         if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=run_id, linewidth=1.4)
-        losses = dict(points)
-        for kind, step, _ in c.interruptions.get(run_id, []):
-            if step is None or kind not in ("interrupted", "resumed", "killed"):
-                continue
-            marker = "o" if kind == "resumed" else "x"
-            y = losses.get(step, losses.get(step + 1))
-            if y is not None:
-                ax.plot([step], [y], marker, color=f"C{index}", markersize=9, markerfacecolor="none")
-                ax.annotate(kind, (step, y), textcoords="offset points", xytext=(4, 6), fontsize=7)
-    ax.set_xlabel("optimizer step")
+            ax.plot(list(points), list(points.values()), style, color=f"C{index}", label=names[index], linewidth=1.4)
+    # Markers at one step (a run killed and resumed there, or both runs stopped at the same step)
+    # would hide each other: each one at a step gets its own small sideways and upward offset.
+    seen: dict[int, int] = {}
+    for index, step, kind in _markers(c):
+        y = curves[index].get(step, curves[index].get(step + 1))
+        if y is None:
+            continue
+        nth = seen.get(step, 0)
+        seen[step] = nth + 1
+        shifted = offset_copy(ax.transData, fig=fig, x=11 * nth, y=0, units="points")  # the n-th at a step: 11 pt right
+        ax.plot([step], [y], "o" if kind == "resumed" else "x", color=f"C{index}", markersize=9,
+                markerfacecolor="none", transform=shifted)
+        ax.annotate(f"{'AB'[index]} {kind}", (step, y), textcoords="offset points", xytext=(4 + 11 * nth, 6 + 9 * nth),
+                    fontsize=7)
     ax.set_ylabel("training loss")
-    ax.set_title(c.verdict[:100], fontsize=8)
-    ax.legend(fontsize=8)
+    ax.set_title(c.verdict[:110], fontsize=8)
+    ax.legend(fontsize=7)
+    for index, (run_id, style) in enumerate(((c.a, "-o"), (c.b, "--s"))):
+        evals = c.evals.get(run_id) or []
+        if evals:
+            ax_eval.plot([s for s, _ in evals], [v for _, v in evals], style, color=f"C{index}", label=names[index],
+                         linewidth=1.2, markersize=4, markerfacecolor="none")
+    ax_eval.set_ylabel("eval loss")
+    if not any(c.evals.values()):
+        ax_eval.text(0.5, 0.5, "no eval losses recorded", transform=ax_eval.transAxes, ha="center", fontsize=8)
+    else:
+        ax_eval.legend(fontsize=7)
+    if differs:
+        shared = [(s, la - lb) for s, la, lb in c.losses if la is not None and lb is not None]
+        axes[2].axhline(0.0, color="grey", linewidth=0.8)
+        axes[2].plot([s for s, _ in shared], [d for _, d in shared], color="C3", linewidth=1.2)
+        axes[2].set_ylabel("loss A - B")
+    axes[-1].set_xlabel("optimizer step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig

@@ -479,8 +479,14 @@ _COMMENTED_EXAMPLES: dict[str, Any] = {
     "revision": "main", "init_adapter": "path/to/adapter"}
 
 
-def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl") -> str:
-    """A commented job file, generated from the field docstrings so it never drifts from the code."""
+REMOTE_EXAMPLE = {"wall_hours": 4.0, "gpu_hours": 4.0, "cost": 10.0, "nodes": 1}
+
+
+def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl", remote: bool = False) -> str:
+    """A commented job file, generated from the field docstrings so it never drifts from the code.
+
+    With ``remote`` it ends with a [remote] section whose keys are commented out: a local run
+    ignores them; `lodger submit` needs every one."""
     values: dict[str, dict[str, Any]] = {
         "model": {"source": "smollm2-135m-instruct"},
         "method": {"kind": "lora", "rank": 8, "alpha": 16.0, "dropout": 0.0,
@@ -513,4 +519,10 @@ def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl") ->
                 out.append(f"# {key} = {_toml_value(field.default)}")
             else:
                 out.append(f"# {key} = {_toml_value(_COMMENTED_EXAMPLES[key])}")
+    if remote:
+        doc = " ".join((RemoteConfig.__doc__ or "").split())
+        out += ["", f"# {doc} Uncomment and set every key before `lodger submit FILE --target T` "
+                "(docs/boundary.md).", "[remote]"]
+        for key, field in RemoteConfig.model_fields.items():
+            out += [f"# {' '.join((field.description or '').split())}", f"# {key} = {_toml_value(REMOTE_EXAMPLE[key])}"]
     return "\n".join(out) + "\n"

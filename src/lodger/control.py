@@ -11,10 +11,12 @@ notices at once; the run answers in ``control/state.json`` and in the ledger.
 - hold: stop at the next yield point, keep memory, sleep (no CPU) until released.
 
 Yield points are every micro-step boundary and, inside a micro-step, the start of each
-transformer layer's forward and backward (``yield_point()``, installed by the loop): a hold or a
-release is answered within one layer's compute, not one micro-step's, which under load on a
-135M model is the difference between tens of milliseconds and tens of seconds. Holding there
-changes nothing (the computation just waits); a release there drops the partial step as above.
+transformer layer's forward and backward (``yield_point()``, installed by the loop), in training
+steps and in evaluations alike: a hold or a release is answered within one layer's compute, not
+one micro-step's or one eval's, which under load on a 135M model is the difference between tens
+of milliseconds and tens of seconds. Holding there changes nothing (the computation just waits);
+a release there drops the partial step as above, or abandons the eval (it is run again on resume).
+Time spent held is counted in ``held_seconds``, so step times and throughput can leave it out.
 
 SIGTERM or a first Ctrl-C: checkpoint at the next step boundary and exit 0; a second Ctrl-C
 exits at once. Every check costs an attribute read unless a signal arrived.
@@ -162,7 +164,9 @@ class Control:
         self.step = 0
         self._interrupts = 0
         self._dirty = run_folder is not None  # read requests once at start
-        self.in_step = False  # inside a micro-step's forward/backward, where a release may drop the step
+        # Inside a micro-step's forward/backward or an eval: work a release may drop (and redo later).
+        self.in_step = False
+        self.held_seconds = 0.0  # total time spent held in this process
         # A run on a remote target gets no SIGUSR1 from the machine that asks: it notices new
         # request files by their mtimes instead (a few stats every half second).
         self._poll_at = 0.0 if run_folder is not None and os.environ.get("LODGER_REMOTE") == "1" else None
@@ -185,8 +189,8 @@ class Control:
     def checkpoint_boundary(self, release_ok: bool = True) -> None:
         """Called between micro-steps: answer hold and release requests. Cheap when nothing changed.
 
-        With ``release_ok`` false (e.g. inside an evaluation) a hold is answered here and a
-        release is left for the next micro-step boundary."""
+        With ``release_ok`` false (at a yield point outside a step or an eval, where there is no
+        work to drop) a hold is answered here and a release is left for the next boundary."""
         if self._poll_at is not None:
             self._poll_files()
         if not self._dirty:
@@ -229,8 +233,10 @@ class Control:
                 if current["state"] != "hold":
                     break
                 self.announce("held", current)  # a new hold request gets its own answer
+        held = time.monotonic() - started
+        self.held_seconds += held
         self.announce("running", request)
-        self.on_continue(request, time.monotonic() - started)
+        self.on_continue(request, held)
 
     def _poll_files(self) -> None:
         now = time.monotonic()

@@ -222,7 +222,9 @@ def _check_fit(plan: Plan) -> list[str]:
     offsets = prepared.train_set.offsets
     seq = min(job.data.max_length, int((offsets[1:] - offsets[:-1]).max()))
     threads = job.training.threads
-    rate = target.tflops * 1e12 if target.tflops else memory.flops_per_second(threads, job.training.precision)
+    # Only the target's declared speed says how long the job takes there: this machine's rate says
+    # nothing about another machine's GPUs (or CPUs), so without it the time is unknown.
+    rate = target.tflops * 1e12 if target.tflops else None
     runtime = None if device == "cuda" else memory.runtime_bytes(threads=threads, use_current=False)
     est = memory.estimate(job, model_config, seq_len=seq, device=device, runtime_bytes=runtime,
                           flops_per_second=rate, total_steps=prepared.total_steps)
@@ -238,7 +240,11 @@ def _check_fit(plan: Plan) -> list[str]:
                      "items": est.items, "available_bytes_per_process": per_process,
                      "step_seconds": est.step_seconds, "total_steps": prepared.total_steps,
                      "expected_hours": hours, "flops_per_second": rate,
-                     "rate_from": "target tflops" if target.tflops else "this machine (measured)"}
+                     "rate_from": f"target {plan.target_name}: {target.tflops:g} TFLOP/s per process" if target.tflops
+                     else None,
+                     "time_unknown_because": None if target.tflops else
+                     f"target {plan.target_name} declares no speed; `lodger target add {plan.target_name} ... "
+                     "--tflops N --replace` sets it (the sustained TFLOP/s of one training process there)"}
     reasons = []
     if per_process is not None and est.total_bytes > per_process:
         reasons.append(f"estimate: {est.total_bytes / GiB:.2f} GiB peak per process ({device}; largest item "

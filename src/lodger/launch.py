@@ -46,6 +46,26 @@ def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 
     raise LodgerError(f"the background run {run_id} did not start within {timeout:.0f} s; see {folder}/worker.out")
 
 
+def wait_until_taken(run_id: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Return once the worker holds the run's lock (it then answers pause requests), in about
+    the time a Python interpreter takes to start; raise with its output if it died first."""
+    from .runlock import is_locked, lock_pid
+
+    folder = run_dir(run_id)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if lock_pid(folder) == process.pid and is_locked(folder):
+            return
+        code = process.poll()
+        if code is not None:
+            if code == 0:
+                return
+            tail = (folder / "worker.out").read_text(errors="replace")[-2000:]
+            raise LodgerError(f"the background run {run_id} exited with status {code}:\n{tail}")
+        time.sleep(0.02)
+    raise LodgerError(f"the background run {run_id} did not start within {timeout:.0f} s; see {folder}/worker.out")
+
+
 def _descends_from(pid: int | None, ancestor: int, depth: int = 3) -> bool:
     """Whether ``pid`` is ``ancestor`` or its child, grandchild... (Linux /proc)."""
     for _ in range(depth + 1):

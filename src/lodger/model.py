@@ -141,15 +141,31 @@ def resolve_source(spec: str, revision: str | None = None) -> ModelSource:
                            f"a hub id (`org/name`) or a known alias ({', '.join(ALIASES)})")
 
 
+def _gguf_cache(source: ModelSource) -> Path:
+    return cache_dir("models") / source.sha256[:24]
+
+
+def preparation_notice(source: ModelSource) -> str | None:
+    """What people should be told before a model's first use takes a while (None when it will not)."""
+    if source.kind != "gguf" or (_gguf_cache(source) / "lodger-cache.json").is_file():
+        return None
+    size = source.path.stat().st_size / 2**20
+    seconds = max(5, 5 * round(size / 15))  # about 30 s for SmolLM2-135M's 94 MiB on 2 cores
+    return (f"preparing {source.spec} for its first use: converting the GGUF file ({size:.0f} MiB) into a "
+            f"Hugging Face folder in {_gguf_cache(source).parent} (roughly {seconds} s; this happens once "
+            "per model)")
+
+
 def _materialise_gguf(source: ModelSource) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face folder and return the folder."""
-    folder = cache_dir("models") / source.sha256[:24]
+    folder = _gguf_cache(source)
     if (folder / "lodger-cache.json").is_file():
         return folder
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from safetensors.torch import save_file
 
     quiet_transformers()
+    _quiet_gguf_conversion()
     parent, name = str(source.path.parent), source.path.name
     tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(parent, gguf_file=name)
@@ -199,6 +215,17 @@ def quiet_transformers() -> None:
 
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")
 """One of these makes a folder's tokenizer loadable without converting anything."""
+
+
+def _quiet_gguf_conversion() -> None:
+    """transformers draws its own tqdm bar while converting GGUF tensors, which its progress-bar
+    switch does not reach; lodger says what happens instead (``preparation_notice``)."""
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    if not isinstance(gguf_utils.tqdm, partial):
+        gguf_utils.tqdm = partial(gguf_utils.tqdm, disable=True)
 
 
 def load_tokenizer(folder: Path):

@@ -1,10 +1,20 @@
-"""One log format: the fixed step line, to the terminal (with a rich progress bar) and log.txt."""
+"""One log format: the fixed step line, to the terminal (with a live progress display) and log.txt.
+
+At a terminal the run shows one live line (step, loss, elapsed, ETA, target tokens/s, time held)
+with messages and every ``log_every``-th step line printed above it; elsewhere (a pipe, a file,
+``--detach``) the same step lines are printed plainly. ``--quiet`` prints nothing; log.txt always
+gets everything. Held time (the owner's) is left out of step times, throughput and the ETA, and
+reported on its own.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from pathlib import Path
+
+ETA_WINDOW = 20  # recent steps the ETA is computed from (the first steps are slower: warm-up, caches)
 
 
 def rss_bytes() -> int:
@@ -15,20 +25,49 @@ def rss_bytes() -> int:
         return 0
 
 
-class Reporter:
-    """Prints step lines and messages; shows a progress bar with ETA when stdout is a terminal."""
+def plural(count: int, noun: str) -> str:
+    """1 thread, 2 threads."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
-    def __init__(self, log_path: Path, total: int, start: int, quiet: bool = False):
+
+def clock(seconds: float | None) -> str:
+    """0:07, 3:25, 1:02:03 (h:mm:ss), or "?" while unknown."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Reporter:
+    """Prints step lines and messages; a live progress display when stdout is a terminal."""
+
+    def __init__(self, log_path: Path, total: int, start: int, quiet: bool = False, live: bool | None = None):
         self.log = open(log_path, "a", buffering=1, encoding="utf-8")
         self.quiet = quiet
+        self.total, self.first = total, start
+        self.began = time.monotonic()
+        self.held_total = 0.0
+        self.recent: deque[float] = deque(maxlen=ETA_WINDOW)  # step seconds, held time left out
         self.progress = None
-        if sys.stdout.isatty() and not quiet:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        if live is None:
+            live = sys.stdout.isatty()
+        if live and not quiet:
+            from rich.progress import BarColumn, Progress, TextColumn
 
-            self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[loss]}"), TimeRemainingColumn(), transient=True)
-            self.task = self.progress.add_task("train", total=total, completed=start, loss="")
+            # No refresh thread: the display is redrawn at each step and message, so a held run
+            # (which takes no steps) uses no CPU for it.
+            self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=24),
+                                     TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[info]}"),
+                                     auto_refresh=False, transient=True)
+            self.task = self.progress.add_task("training", total=total, completed=start, info="starting")
             self.progress.start()
+
+    def started(self, step: int) -> None:
+        """Training starts (or resumes) at ``step``: the ETA counts from here."""
+        self.first = step
+        self.began = time.monotonic()
+        self._show(step, "training", f"elapsed {clock(0)} | eta ?")
 
     def message(self, text: str) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -37,21 +76,68 @@ class Reporter:
             return
         if self.progress is not None:
             self.progress.console.print(text, markup=False, highlight=False)
+            self.progress.refresh()
         else:
             print(text, flush=True)
 
-    def step(self, step: int, total: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float,
-             seconds: float, show: bool) -> None:
+    def eta(self, step: int) -> float | None:
+        """Seconds left at the pace of the recent steps (held time excluded); None before any step."""
+        if not self.recent:
+            return None
+        return (self.total - step) * sum(self.recent) / len(self.recent)
+
+    def step(self, step: int, total: int, loss: float, grad_norm: float, lr: float, tokens: int,
+             seconds: float, show: bool, held: float = 0.0) -> None:
+        self.recent.append(seconds)
+        self.total = total
+        elapsed = time.monotonic() - self.began
+        tokens_per_s = tokens / max(seconds, 1e-9)
         line = (f"step {step}/{total} | loss {loss:.4f} | grad_norm {grad_norm:.4f} | lr {lr:.3e} | "
-                f"tok/s {tokens_per_s:,.0f} | {seconds * 1000:.0f} ms/step | rss {rss_bytes() / 2**30:.2f} GiB")
+                f"tok/s {tokens_per_s:,.0f} | {seconds * 1000:.0f} ms/step | rss {rss_bytes() / 2**30:.2f} GiB | "
+                f"elapsed {clock(elapsed)} | eta {clock(self.eta(step))}")
+        if held:
+            line += f" | held {held:.1f} s (not in ms/step)"
         if show:
             self.message(line)
         else:
             self.log.write(line + "\n")
-        if self.progress is not None:
-            self.progress.update(self.task, completed=step, loss=f"loss {loss:.4f}")
+        info = (f"loss {loss:.4f} | {tokens_per_s:,.0f} target tok/s | elapsed {clock(elapsed)} | "
+                f"eta {clock(self.eta(step))}")
+        if self.held_total:
+            info += f" | held {clock(self.held_total)}"
+        self._show(step, "training", info)
+
+    def eval_started(self, step: int, examples: int, batches: int) -> None:
+        self.message(f"eval at step {step}: {examples} examples in {batches} batches ...")
+        self._show(None, f"eval at step {step}", f"{examples} examples")
+
+    def eval_finished(self, step: int, loss: float, seconds: float) -> None:
+        self.message(f"eval at step {step}: eval_loss {loss:.4f} ({seconds:.1f} s)")
+        self._show(None, "training", None)
+
+    def held(self, by: str | None, reason: str | None) -> None:
+        self.message(f"held by {by or '?'} ({reason or 'no reason given'}); memory kept, no CPU used; "
+                     "`lodger resume RUN` or the requester continues it")
+        self._show(None, "held", None)
+
+    def continued(self, seconds: float) -> None:
+        self.held_total += seconds
+        self.message(f"continuing after {seconds:.1f} s held (left out of step times and the ETA)")
+        self._show(None, "training", None)
+
+    def _show(self, step: int | None, what: str, info: str | None) -> None:
+        if self.progress is None:
+            return
+        fields = {"description": what}
+        if step is not None:
+            fields["completed"] = step
+        if info is not None:
+            fields["info"] = info
+        self.progress.update(self.task, **fields)
+        self.progress.refresh()
 
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
         self.log.close()

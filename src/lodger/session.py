@@ -25,6 +25,7 @@ from .distributed import Ranks
 from .data import DataFile, Sampler, TokenizedSet, read_jsonl, split_indices, tokenize
 from .errors import CheckpointError, JobFileError, LimitReached, PreflightError, RunStateError
 from .home import run_dir
+from .report import plural
 from .train.guard import GuardState
 from .runlock import RunLock, is_locked  # noqa: F401 (is_locked is part of this module's API)
 from .ledger import Ledger
@@ -250,6 +251,7 @@ class Session:
         self.progress = Progress()
         self.pending: list[dict] = []   # metric records not yet in the ledger (they go with checkpoints)
         self.evals: dict[int, float] = {}
+        self.eval_seconds = 0.0  # of the latest eval, held time left out
         self.meter = prov.ComputeMeter()
         self.fingerprint = prov.numerics_fingerprint(self.device)
         self.reporter = None
@@ -432,13 +434,16 @@ class Session:
         return reached
 
     def record_step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
-                    skipped: bool, samples: list[int] | None) -> None:
+                    skipped: bool, samples: list[int] | None, held: float = 0.0) -> None:
+        """``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart)."""
         step = self.progress.step
         self.control.step = step
         if self.rank > 0:
             return
         record = {"kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "tokens": tokens, "seconds": seconds, "time": time.time(), "segment": self.progress.segment}
+        if held:
+            record["held_seconds"] = held
         if skipped:
             record["skipped"] = True
             self.ledger.event(self.run_id, "warning", step=step, reason="non-finite loss or gradient norm; "
@@ -446,7 +451,7 @@ class Session:
         self._metrics_append(record)
         self.control.step = step
         every = self.job.training.log_every
-        self.reporter.step(step, self.total_steps, loss, grad_norm, lr, tokens / max(seconds, 1e-9), seconds,
+        self.reporter.step(step, self.total_steps, loss, grad_norm, lr, tokens, seconds, held=held,
                            show=step % every == 0 or step == self.total_steps or step == 1)
 
     def has_eval_at(self, step: int) -> bool:
@@ -458,7 +463,7 @@ class Session:
         self.evals[step] = loss
         self._metrics_append({"kind": "eval", "step": step, "eval_loss": loss, "time": time.time(),
                               "segment": self.progress.segment})
-        self.reporter.message(f"eval step {step}: eval_loss {loss:.4f}")
+        self.reporter.eval_finished(step, loss, self.eval_seconds)
 
     def save_checkpoint(self, skip_if_exists: bool = False) -> Path:
         existing = self.store.root / f"step-{self.progress.step:08d}"
@@ -556,8 +561,23 @@ class Session:
                             segment=self.progress.segment)
 
 
-def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = False) -> str:
-    """Train a run in this process until it finishes or is interrupted; return the final status."""
+def take_run(run_id: str) -> tuple[Control, RunLock]:
+    """Make this process the one training ``run_id``: handlers first, then the lock (from the moment
+    the lock names our pid, a pause request is caught, not fatal). A detached worker does this
+    before validating and tokenising, so a pause sent while it starts is answered, not refused."""
+    folder = run_dir(run_id)
+    # A limit is judged afresh by every process (`lodger resume` clears the user's and the agent's
+    # requests itself; a user's hold survives a reboot).
+    clear_request(folder, "limit")
+    control = Control(folder).install_signal_handlers()
+    return control, RunLock(folder)
+
+
+def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = False,
+            taken: tuple[Control, RunLock] | None = None) -> str:
+    """Train a run in this process until it finishes or is interrupted; return the final status.
+
+    ``taken``: what ``take_run`` returned, when this process took the run early (one process only)."""
     from . import distributed as dist
 
     folder = run_dir(run_id)
@@ -571,7 +591,7 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
         ranks = dist.init(world, prepared.device)
         if ranks.rank > 0:
             return _execute_quiet_rank(run_id, prepared, resuming=resuming, ranks=ranks)
-    return _execute(run_id, prepared, resuming=resuming, quiet=quiet, ranks=ranks)
+    return _execute(run_id, prepared, resuming=resuming, quiet=quiet, ranks=ranks, taken=taken)
 
 
 def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, ranks: Ranks) -> str:
@@ -593,16 +613,12 @@ def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, rank
     return status
 
 
-def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ranks: Ranks) -> str:
+def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ranks: Ranks,
+             taken: tuple[Control, RunLock] | None) -> str:
     from .train.loop import train
 
     folder = run_dir(run_id)
-    # A limit is judged afresh by every process (`lodger resume` clears the user's and the agent's
-    # requests itself; a user's hold survives a reboot). Then the handlers, then the lock: from the
-    # moment the lock names our pid, a pause request is caught, not fatal.
-    clear_request(folder, "limit")
-    control = Control(folder).install_signal_handlers()
-    lock = RunLock(folder)
+    control, lock = taken or take_run(run_id)
     ledger = Ledger()
     try:
         session = Session(run_id, prepared, ledger, quiet=quiet, control=control, ranks=ranks)
@@ -611,11 +627,19 @@ def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ra
         ledger.close()
         lock.release()
         raise
-    session.control.on_hold = lambda r: ledger.set_status(run_id, "held", "held", step=session.progress.step,
-                                                          by=r.get("by"), reason=r.get("reason"))
-    session.control.on_continue = lambda r, held: ledger.set_status(
-        run_id, "running", "continued", step=session.progress.step, by=r.get("by"), held_seconds=round(held, 3))
     session.reporter = reporter = _reporter(session, quiet)
+
+    def on_hold(request: dict) -> None:
+        ledger.set_status(run_id, "held", "held", step=session.progress.step, by=request.get("by"),
+                          reason=request.get("reason"))
+        reporter.held(request.get("by"), request.get("reason"))
+
+    def on_continue(request: dict, held: float) -> None:
+        ledger.set_status(run_id, "running", "continued", step=session.progress.step, by=request.get("by"),
+                          held_seconds=round(held, 3))
+        reporter.continued(held)
+
+    session.control.on_hold, session.control.on_continue = on_hold, on_continue
     try:
         stale = session.store.clean_stale()
         if stale:
@@ -626,8 +650,6 @@ def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ra
         if resuming:
             _resume_state(session, run)
         session.progress.segment = run["segment"] + 1 if resuming else 0
-        if reporter.progress is not None:
-            reporter.progress.update(reporter.task, completed=session.progress.step)
         record = session.provenance()
         ledger.add_provenance(run_id, session.progress.segment, record)
         _write_provenance_json(folder, ledger.provenance(run_id))
@@ -644,8 +666,9 @@ def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ra
         reporter.message(f"run {run_id}: {'resuming at' if resuming else 'starting at'} step "
                          f"{session.progress.step}/{session.total_steps} "
                          f"({len(prepared.train_indices)} train / {len(prepared.eval_indices)} eval examples, "
-                         f"{session.job.training.threads} threads"
+                         f"{plural(session.job.training.threads, 'thread')}"
                          + (f" x {ranks.world_size} processes)" if ranks.world_size > 1 else ")"))
+        reporter.started(session.progress.step)
         status = train(session)
         compute = session.meter.read()
         if status == "finished":

@@ -48,7 +48,8 @@ class Target(_Section):
     processes a node runs."""
     tflops: Float | None = Field(None, gt=0)
     """Sustained matmul TFLOP/s one training process reaches there (one GPU, or a node's CPUs),
-    for the time estimate. Left out: this machine's measured rate (pessimistic for GPUs)."""
+    for the time estimate. Left out: `submit` says the time there is unknown (this machine's rate
+    says nothing about another machine's)."""
 
     @field_validator("address")
     @classmethod

@@ -16,7 +16,7 @@ def test_registered_and_unregistered_data_in_one_run(tmp_path: Path, lodger_home
     assert added.returncode == 0, describe(added)
     job = write_job(tmp_path / "job.toml", model=tiny_model_dir, train="dataset:chat", eval=chat_data["eval"],
                     steps=2, every_steps=2, eval_every=None)
-    result = run_lodger(["run", job, "--quiet"], env)
+    result = run_lodger(["run", job], env)  # not --quiet: it prints only errors
     assert result.returncode == 0, describe(result)
     assert f"warning: [data] eval = '{chat_data['eval']}' is not a registered dataset" in result.stderr
     assert "[data] train" not in result.stderr

@@ -75,6 +75,52 @@ def assert_refused(result: subprocess.CompletedProcess, setup: dict, *expected: 
     return refusal["reasons"]
 
 
+def assert_not_approved(result: subprocess.CompletedProcess, setup: dict) -> None:
+    """A "no" is an outcome, not an error: exit 5, said on stdout, recorded, nothing submitted."""
+    home = setup["home"]
+    assert result.returncode == 5, describe(result)
+    assert "not approved: nothing was submitted" in result.stdout and "error" not in result.stderr, describe(result)
+    [declined] = events(home, "submit_refused")
+    assert declined["target"] == "lab" and any("not approved" in reason for reason in declined["reasons"])
+    assert events(home, "submit_approved") == []
+    assert json.loads(lodger(["ls", "--json"], home).stdout) == []
+    assert not setup["storage"].exists() or not any(setup["storage"].iterdir())
+
+
+def test_without_the_targets_speed_the_time_is_unknown_and_without_gpu_hours_no_cost_is_printed(setup: dict) -> None:
+    lodger(["target", "add", "lab", "--address", ADDRESS, "--storage", setup["storage"], "--replace",
+            *CAPS[:-2]], setup["home"])  # the same caps, no --tflops
+    write_job(setup["job"], model=setup["model"], train="dataset:chat-train", eval="dataset:chat-eval", steps=4,
+              extra={"remote": {k: v for k, v in LIMITS.items() if k != "gpu_hours"}})
+    result = submit(setup)
+    assert_refused(result, setup, "[remote] gpu_hours: missing")
+    assert "time unknown for 4 steps: target lab declares no speed" in result.stdout, describe(result)
+    [estimate] = [line for line in result.stdout.splitlines() if line.startswith("estimate on")]
+    assert "--tflops N" in estimate and "this machine" not in estimate, estimate
+    assert "cost:" not in result.stdout, "a cost line before the job declares its GPU hours"
+
+
+def test_init_remote_adds_a_commented_remote_section_that_loads(tmp_path: Path, lodger_home: Path) -> None:
+    from lodger.config import load_job
+
+    lodger(["init", tmp_path / "job.toml", "--remote"], lodger_home)
+    text = (tmp_path / "job.toml").read_text()
+    assert "\n[remote]\n" in text
+    for key in ("wall_hours", "gpu_hours", "cost", "nodes"):
+        assert f"\n# {key} = " in text, key
+    assert load_job(tmp_path / "job.toml").remote.wall_hours is None  # commented out: a local run is unchanged
+    lodger(["init", tmp_path / "plain.toml"], lodger_home)
+    assert "[remote]" not in (tmp_path / "plain.toml").read_text()
+
+
+def test_help_examples_keep_their_line_breaks(lodger_home: Path) -> None:
+    for command, second in ((["target", "add"], "--gpus-per-node 8"), (["pause"], "lodger pause --all"),
+                            (["submit"], "--target lab-ray --approve"), (["run"], "lodger run my-job.toml --detach")):
+        out = lodger([*command, "--help"], lodger_home).stdout
+        line = next(line for line in out.splitlines() if second in line)
+        assert line.lstrip().startswith(("lodger", "--")), f"`{' '.join(command)} --help` reflowed its example:\n{out}"
+
+
 def submit(setup: dict, *extra: str) -> subprocess.CompletedProcess:
     return lodger(["submit", setup["job"], "--target", "lab", "--approve", *extra], setup["home"], ok=False)
 
@@ -133,8 +179,7 @@ def test_without_approval_nothing_is_submitted(setup: dict) -> None:
     # stdin is not a terminal: nobody can type yes, so no --approve means no
     result = subprocess.run([LODGER, "submit", setup["job"], "--target", "lab"], env=lodger_env(setup["home"]),
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-    reasons = assert_refused(result, setup, "not approved")
-    assert len(reasons) == 1
+    assert_not_approved(result, setup)
     # the plan was printed in full before the question: every file, its size and whole hash
     for role in ("train", "eval"):
         sha = json.loads(lodger(["data", "show", f"chat-{role}", "--json"], setup["home"]).stdout)["sha256"]
@@ -187,4 +232,4 @@ def test_at_a_terminal_only_a_typed_yes_approves(setup: dict, answer: str, appro
         assert approval["approved_by"] == "typed yes"
         assert result.returncode != 0 and "Traceback" not in result.stderr  # nothing listens at the target
     else:
-        assert_refused(result, setup, "not approved")
+        assert_not_approved(result, setup)

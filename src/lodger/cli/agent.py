@@ -58,7 +58,10 @@ def agent(interval: float, max_concurrent: int | None, for_seconds: float | None
 
 @click.group()
 def queue() -> None:
-    """Jobs waiting for the agent: add, ls, rm."""
+    """Jobs waiting for the agent: add, ls, rm.
+
+    Example: lodger queue add my-job.toml --priority 5
+    """
 
 
 @queue.command(name="add")

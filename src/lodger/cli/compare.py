@@ -11,6 +11,8 @@ from ..errors import LodgerError, RunStateError
 
 
 def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
+    from ..compare import loss_difference_text
+
     if as_json:
         click.echo(json.dumps(c.as_dict(), indent=1, default=str))
         return
@@ -32,11 +34,12 @@ def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
             click.echo(f"{'...':>6}")
             continue
         step, la, lb = row
-        diff = f"{abs(la - lb):.3g}" if la is not None and lb is not None else "-"
+        diff = ("0" if la == lb else f"{abs(la - lb):.3g}") if la is not None and lb is not None else "-"
         fmt = lambda v: f"{v:.6f}" if v is not None else "-"  # noqa: E731
         click.echo(f"{step:>6}  {fmt(la):>12}  {fmt(lb):>12}  {diff:>10}")
-    if c.max_loss_diff is not None:
-        click.echo(f"largest per-step loss difference: {c.max_loss_diff:.3g} (step {c.max_loss_diff_step})")
+    difference = loss_difference_text(c)
+    if difference is not None:
+        click.echo(f"per-step losses: {difference}")
     for run_id, evals in c.evals.items():
         if evals:
             click.echo(f"eval {run_id}: " + ", ".join(f"{s}:{v:.4f}" for s, v in evals))
@@ -52,7 +55,8 @@ def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
 @click.option("--tolerance", type=float, default=1e-5, show_default=True,
               help="Largest loss and weight difference still called equal (when not bitwise).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write both loss curves, with interruptions and resumes marked, to this PNG.")
+              help="Write a PNG: both loss curves with interruptions and resumes marked, the eval losses, "
+                   "and the per-step loss difference when the runs are not bitwise equal.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def compare(run_id: str, other: str, tolerance: float, plot_path: Path | None, as_json: bool) -> None:
     """Compare RUN with OTHER (e.g. a resumed run with its baseline) and give a verdict.

@@ -29,6 +29,7 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
     sleeps. Both answer within one layer's compute. `lodger resume RUN` continues either kind, and
     neither changes the result.
 
+    \b
     Example: lodger pause my-job-20261129-101500-ab12 --hold
              lodger pause --all
     """
@@ -88,7 +89,8 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
                     click.echo(f"{run['id']}: {state['state']} at step {state.get('step')} on {run['target']} "
                                f"({time.monotonic() - started:.2f} s)")
                     break
-            elif not is_locked(folder):
+            elif not is_locked(folder) and not _alive(pid):
+                # The lock goes before the process: "memory freed" only once the process is gone too.
                 state = run_state(folder)
                 click.echo(f"{run['id']}: paused at step {state.get('step')}, checkpoint committed, memory freed "
                            f"({time.monotonic() - started:.2f} s)")
@@ -98,8 +100,17 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
             raise LodgerError(f"run {run['id']} did not {mode} within {timeout:.0f} s")
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still exists as a process that has not exited (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (exact numbers).")
 def status(as_json: bool) -> None:
     """What is training, held, paused or queued, and whether the agent is running.
 
@@ -109,6 +120,7 @@ def status(as_json: bool) -> None:
     from ..control import read_requests
     from ..home import run_dir
     from ..ledger import Ledger
+    from ..runview import loss_text, progress, step_text
     from .runs import live_status
 
     with Ledger() as ledger:
@@ -127,8 +139,10 @@ def status(as_json: bool) -> None:
 
             folder = remote_run_dir(run)
         requests = {k: v.get("state") for k, v in read_requests(folder).items()}
-        rows.append({"id": run["id"], "status": state, "step": run["step"], "total_steps": run["total_steps"],
-                     "managed": bool(run.get("managed")), "requests": requests, "target": run.get("target")})
+        now = progress(run, folder)
+        rows.append({"id": run["id"], "status": state, "step": now["step"], "checkpoint_step": now["checkpoint_step"],
+                     "total_steps": run["total_steps"], "loss": now["loss"], "managed": bool(run.get("managed")),
+                     "requests": requests, "target": run.get("target")})
     info = {"agent_pid": agent_pid(), "runs": rows, "queue": queue}
     if as_json:
         click.echo(json.dumps(info, indent=1, default=str))
@@ -138,7 +152,7 @@ def status(as_json: bool) -> None:
         click.echo("nothing running, paused or queued")
     for r in rows:
         extra = ", ".join(f"{k}:{v}" for k, v in r["requests"].items())
-        click.echo(f"{r['status']:<12} {r['id']}  step {r['step']}/{r['total_steps']}"
+        click.echo(f"{r['status']:<12} {r['id']}  step {step_text(r)}  loss {loss_text(r['loss'])}"
                    + (f"  on {r['target']}" if r["target"] else "") + (f"  [{extra}]" if extra else ""))
     for q in queue:
         click.echo(f"{'queued':<12} #{q['id']} {q['name']}  priority {q['priority']}")
@@ -163,14 +177,27 @@ def _synced(ledger, run: dict, sync) -> dict:
 @click.option("--quiet/--no-quiet", default=True)
 def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None, quiet: bool) -> None:
     """Train RUN in this (detached) process, or as one rank under torchrun; used by --detach and the agent."""
+    from ..distributed import inside_launch
     from ..home import run_dir
     from ..restarts import mark_starting
-    from ..session import execute, resume_prepared
+    from ..session import execute, resume_prepared, take_run
     from .crash import log_to_run
 
     log_to_run(run_id)  # nobody watches this process's stderr: a crash must reach the run's log
     mark_starting(run_dir(run_id))  # until it holds the run lock, the agent must not start it beside us
-    execute(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet)
+    # One process training alone takes the run at once (--detach returns when it has); with
+    # several ranks, rank 0 (a grandchild of this process) takes it.
+    alone = not inside_launch() and (world_size or _job_world_size(run_id)) == 1
+    taken = take_run(run_id) if alone else None
+    execute(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet, taken=taken)
+
+
+def _job_world_size(run_id: str) -> int:
+    from ..config import load_job
+    from ..home import run_dir
+    from ..session import JOB_FILE
+
+    return load_job(run_dir(run_id) / JOB_FILE).training.world_size
 
 
 COMMANDS = [pause, status, worker]

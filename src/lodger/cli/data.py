@@ -21,6 +21,7 @@ def _permissions(d) -> str:
 def data() -> None:
     """Registered datasets: what each file is, whose, under which license, and what it may do.
 
+    \b
     Example: lodger data add corpus.jsonl --name corpus --license CC-BY-4.0 --owner alice
     """
 
@@ -42,7 +43,9 @@ def data_add(file: Path, name: str, license_: str, owner: str, no_train: bool, l
     --leave, --target). A job whose data changed after registration is refused until the new
     content is recorded with --update.
 
-    Example: lodger data add corpus.jsonl --name corpus --license CC-BY-4.0 --owner alice --leave --target lab-ray
+    \b
+    Example: lodger data add corpus.jsonl --name corpus --license CC-BY-4.0 --owner alice \\
+               --leave --target lab-ray
     """
     from .. import datasets
 

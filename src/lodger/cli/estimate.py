@@ -63,7 +63,15 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     from ..session import prepare
 
     cfg = load_job(job)
+    import time
+
+    from .train import _announce_first_use, _first_use_done
+
+    started = time.monotonic()
+    announced = _announce_first_use(cfg, quiet=False)  # on stderr: --json output stays clean
     prepared = prepare(cfg)
+    if announced:
+        _first_use_done(started)
     threads = cfg.training.threads or len(os.sched_getaffinity(0))
     model_config = json.loads((prepared.folder / "config.json").read_text())
     seq = min(cfg.data.max_length, _longest_example(prepared.train_set))

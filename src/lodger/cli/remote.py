@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 GiB = 2**30
+NOT_APPROVED = 5  # exit code of `submit` when the plan was not approved (documented in docs/boundary.md)
 
 
 def _size(n: int) -> str:
@@ -49,13 +50,20 @@ def _print_plan(plan) -> None:
     if est:
         room = (f" of {est['available_bytes_per_process'] / GiB:.2f} GiB" if est["available_bytes_per_process"]
                 else " (the target does not say its memory)")
-        hours = "unknown time" if est["expected_hours"] is None else f"about {_duration(est['expected_hours'] * 3600)}"
+        if est["expected_hours"] is None:
+            time_text = f"time unknown for {est['total_steps']} steps: {est.get('time_unknown_because') or 'no speed'}"
+        else:
+            time_text = (f"about {_duration(est['expected_hours'] * 3600)} for {est['total_steps']} steps "
+                         f"(speed: {est['rate_from']})")
         echo(f"estimate on {est['device']}: {est['peak_bytes_per_process'] / GiB:.2f} GiB peak per process{room}; "
-             f"{hours} for {est['total_steps']} steps (speed: {est['rate_from']})")
-    gpu_hours = "?" if plan.job.remote.gpu_hours is None else f"{plan.job.remote.gpu_hours:g}"
-    budget = "none" if target.budget is None else f"{target.budget:g}"
-    echo(f"cost: at most {plan.cost:g} ({gpu_hours} GPU hours x {target.cost_per_gpu_hour:g} per GPU hour); "
-         f"budget {budget}")
+             f"{time_text}")
+    gpu_hours = plan.job.remote.gpu_hours
+    if gpu_hours is not None:  # the most it may cost is known only once the job declares its GPU hours
+        budget = "" if target.budget is None else f"; budget {target.budget:g}"
+        rate = target.cost_per_gpu_hour
+        echo(f"cost: at most {plan.cost:g} ({gpu_hours:g} GPU hour{'' if gpu_hours == 1 else 's'} x {rate:g} per "
+             f"GPU hour){budget}" if rate else f"cost: nothing (target {plan.target_name} declares no cost per GPU "
+             f"hour){budget}")
 
 
 @click.command()
@@ -71,9 +79,13 @@ def submit(job: Path, target_name: str, approve: bool, as_json: bool) -> None:
     wall_hours, gpu_hours, cost and nodes within the target's caps; the memory and time estimate
     fits the target. The plan (every file that would leave, with size and sha256, the limits and
     the cost) is printed; then --approve, or typing `yes`, submits. A refusal lists every failed
-    check and exits 4. Approvals and refusals are ledger events.
+    check and exits 4. Without an approval nothing is submitted and it exits 5 (not an error:
+    the answer was no). Approvals, refusals and unapproved plans are ledger events.
 
-    Example: lodger submit my-job.toml --target lab-ray --approve
+    \b
+    Exit codes: 0 submitted, 4 refused by a check, 5 not approved, 1 the cluster failed.
+    Example: lodger submit my-job.toml --target lab-ray
+             lodger submit my-job.toml --target lab-ray --approve
     """
     from .. import gate
     from ..errors import GateRefused
@@ -90,11 +102,12 @@ def submit(job: Path, target_name: str, approve: bool, as_json: bool) -> None:
     else:
         _print_plan(plan)
     how = "--approve" if approve else _ask()
-    if how is None:
-        refused = GateRefused(["not approved: pass --approve, or run it in a terminal and type yes"],
-                              plan=plan, job_hash=plan.job_hash())
-        gate.record_refusal(job, target_name, refused)
-        raise refused
+    if how is None:  # the owner's answer, not an error: its own exit code, and on the record
+        declined = GateRefused(["not approved: pass --approve, or run it in a terminal and type yes"],
+                               plan=plan, job_hash=plan.job_hash())
+        gate.record_refusal(job, target_name, declined)
+        click.echo("not approved: nothing was submitted (pass --approve, or type yes at the prompt)", err=as_json)
+        sys.exit(NOT_APPROVED)
     gate.record_approval(plan, how)
     from ..errors import LodgerError
     from ..ledger import Ledger
@@ -121,6 +134,7 @@ def _ask() -> str | None:
 def target() -> None:
     """Named remote targets and their caps (kept in $LODGER_HOME/targets.toml).
 
+    \b
     Example: lodger target add lab-ray --address http://10.0.0.5:8265 --storage /mnt/shared/lodger
     """
 
@@ -137,15 +151,19 @@ def target() -> None:
 @click.option("--nodes", type=int, help="Cap on the machines one job may use (default 1).")
 @click.option("--gpus-per-node", type=int, help="GPUs each machine has (default 0: CPU only).")
 @click.option("--memory-gb-per-node", type=float, help="Memory each machine offers (GPU memory, else RAM), GiB.")
-@click.option("--tflops", type=float, help="Sustained matmul TFLOP/s per training process there (for the "
-                                           "time estimate; default: this machine's measured rate).")
+@click.option("--tflops", type=float, help="Sustained matmul TFLOP/s per training process there (one GPU, "
+                                           "or a node's CPUs): the time estimate's speed. Without it the time "
+                                           "a job takes there is reported as unknown.")
 @click.option("--replace", is_flag=True, help="Replace a target of the same name.")
 def target_add(name: str, replace: bool, **settings) -> None:
     """Add (or with --replace, change) the remote target NAME and its caps.
 
+    --tflops is the target's speed: without it `submit` cannot say how long a job takes there.
+
+    \b
     Example: lodger target add lab-ray --address http://10.0.0.5:8265 --storage /mnt/shared/lodger \\
-             --gpus-per-node 8 --memory-gb-per-node 640 --gpu-hours 16 --wall-hours 4 \\
-             --cost-per-gpu-hour 2.5 --budget 50 --nodes 2
+               --gpus-per-node 8 --memory-gb-per-node 640 --gpu-hours 16 --wall-hours 4 \\
+               --cost-per-gpu-hour 2.5 --budget 50 --nodes 2 --tflops 300
     """
     from ..targets import add_target
 

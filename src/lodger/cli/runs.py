@@ -12,50 +12,81 @@ import click
 from ..errors import LodgerError
 
 
+def _human(value):
+    """Numbers rounded for people (4 decimals at most); `--json` keeps them exact."""
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 10_000 else (f"{value:.4f}".rstrip("0").rstrip(".") or "0")
+    return value
+
+
 def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
 
 def live_status(run: dict) -> str:
-    """The recorded status, corrected for a process that died without saying so."""
+    """The recorded status, corrected for a process that died without saying so or is starting."""
     from ..home import run_dir
     from ..runlock import is_locked
 
     if run.get("target"):
         return run["status"]  # a remote run: as of the last sync (`lodger sync RUN` asks Ray too)
-    if run["status"] in ("running", "held") and not is_locked(run_dir(run["id"])):
+    folder = run_dir(run["id"])
+    if run["status"] in ("running", "held") and not is_locked(folder):
         return "crashed"
+    if run["status"] in ("created", "paused", "interrupted") and is_locked(folder):
+        from ..control import run_state
+        from ..runlock import lock_pid
+
+        # A new process has taken the run and is loading (it says "running" once it trains); the
+        # process that just paused it still holds the lock for a moment, but it wrote the state.
+        if run_state(folder).get("pid") != lock_pid(folder):
+            return "starting"
     return run["status"]
 
 
+def output_width() -> int | None:
+    """The terminal's width ($COLUMNS first); None when printing into a pipe or a file (no limit)."""
+    import os
+    import shutil
+
+    if os.environ.get("COLUMNS", "").isdigit() or sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return None
+
+
 @click.command(name="ls")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (exact numbers).")
 def ls(as_json: bool) -> None:
-    """List runs: id, status, model, method, step, loss, started.
+    """List runs: id, status, step (and the last checkpoint's), loss, model, method, started.
+
+    Run ids are never cut: in a narrow terminal the least useful columns go first. Every
+    command takes a run's full id or any unique start of it.
 
     Example: lodger ls
     """
+    from ..home import run_dir
     from ..ledger import Ledger
+    from ..runview import loss_text, progress, step_text, table
 
     with Ledger() as ledger:
         runs = ledger.runs()
     for run in runs:
         run["status"] = live_status(run)
+        run["progress"] = progress(run, run_dir(run["id"]))
     if as_json:
-        keys = ("id", "status", "model", "method", "step", "total_steps", "loss", "created")
-        click.echo(json.dumps([{k: r[k] for k in keys} for r in runs], indent=1))
+        keys = ("id", "status", "model", "method", "total_steps", "created")
+        click.echo(json.dumps([{**{k: r[k] for k in keys}, "step": r["progress"]["step"],
+                                "checkpoint_step": r["progress"]["checkpoint_step"], "loss": r["progress"]["loss"]}
+                               for r in runs], indent=1))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(box=None)
-    for column in ("run", "status", "model", "method", "step", "loss", "started"):
-        table.add_column(column)
-    for r in runs:
-        loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
-        table.add_row(r["id"], r["status"], Path(r["model"]).name, r["method"],
-                      f"{r['step']}/{r['total_steps']}", loss, _when(r["created"]))
-    Console().print(table)
+    if not runs:
+        click.echo("no runs yet; start one with `lodger run JOB`")
+        return
+    rows = [[r["id"], r["status"], step_text(r["progress"]), loss_text(r["progress"]["loss"]),
+             Path(r["model"]).name, r["method"], _when(r["created"])] for r in runs]
+    header = ["run", "status", "step", "loss", "model", "method", "started"]
+    for line in table(rows, header, output_width()):
+        click.echo(line)
 
 
 @click.command()
@@ -82,7 +113,10 @@ def show(run_id: str, as_json: bool) -> None:
     run["status"] = live_status(run)
     folder = run_dir(run["id"])
     checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
-    info = {"run": run, "folder": str(folder), "checkpoints": checkpoints,
+    from ..runview import loss_text, progress
+
+    now = progress(run, folder)
+    info = {"run": run, "progress": now, "folder": str(folder), "checkpoints": checkpoints,
             "last_train": train[-1] if train else None, "last_eval": evals[-1] if evals else None,
             "segments": len(provenance), "events": events}
     if as_json:
@@ -90,14 +124,17 @@ def show(run_id: str, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=1, default=str))
         return
     click.echo(f"run       {run['id']}  ({run['status']})")
-    click.echo(f"progress  step {run['step']}/{run['total_steps']}  loss {run['loss']}")
+    newest = f"; newest checkpoint at step {now['checkpoint_step']}" if now["checkpoint_step"] != now["step"] else ""
+    click.echo(f"progress  step {now['step']}/{run['total_steps']}  loss {loss_text(now['loss'])}{newest}")
     click.echo(f"model     {run['model']}  method {run['method']}")
     if run.get("target"):
         click.echo(f"remote    target {run['target']}  Ray submission {run['remote_job_id']}")
     click.echo(f"folder    {folder}")
     click.echo(f"last good checkpoint  {checkpoints[-1] if checkpoints else '-'}")
-    if info["last_eval"]:
-        click.echo(f"last eval step {info['last_eval']['step']}: eval_loss {info['last_eval']['eval_loss']:.4f}")
+    if now["eval_step"] is not None or info["last_eval"]:
+        step, loss = (now["eval_step"], now["eval_loss"]) if now["eval_step"] is not None else \
+            (info["last_eval"]["step"], info["last_eval"]["eval_loss"])
+        click.echo(f"last eval step {step}: eval_loss {loss_text(loss)}")
     if provenance:
         p = provenance[-1]
         code = p.get("code", {})
@@ -117,7 +154,8 @@ def show(run_id: str, as_json: bool) -> None:
                    f"(largest: {estimate['largest']}){measured}{' [forced past pre-flight]' if estimate['forced'] else ''}")
     click.echo("events:")
     for e in events:
-        data = ", ".join(f"{k}={v}" for k, v in e["data"].items() if k not in ("compute", "memory_estimate", "measured"))
+        data = ", ".join(f"{k}={_human(v)}" for k, v in e["data"].items()
+                         if k not in ("compute", "memory_estimate", "measured"))
         click.echo(f"  {_when(e['time'])}  {e['kind']:<18} {data}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import click
@@ -14,13 +15,16 @@ from .crash import log_to_run
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite FILE if it exists.")
-def init(file: Path, force: bool) -> None:
+@click.option("--remote", is_flag=True, help="Add a commented [remote] section (the limits `lodger submit` needs).")
+def init(file: Path, force: bool, remote: bool) -> None:
     """Write a commented job file that runs as written.
 
     Beside it go train.jsonl and eval.jsonl (the bundled demo data) unless files of those names
     are already there. Edit the file, then train with `lodger run FILE`.
 
+    \b
     Example: lodger init my-job.toml
+             lodger init my-job.toml --remote
     """
     from importlib import resources
 
@@ -35,7 +39,7 @@ def init(file: Path, force: bool) -> None:
         if not (folder / name).exists():
             with resources.as_file(demo / name) as src:
                 shutil.copyfile(src, folder / name)
-    file.write_text(example_job("train.jsonl", "eval.jsonl"))
+    file.write_text(example_job("train.jsonl", "eval.jsonl", remote=remote))
     click.echo(f"wrote {file} (data: {folder / 'train.jsonl'}, {folder / 'eval.jsonl'})")
     click.echo(f"next: lodger run {file}")
 
@@ -43,41 +47,82 @@ def init(file: Path, force: bool) -> None:
 @click.command()
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--threads", type=click.IntRange(1, 1024), help="Override [training] threads.")
-@click.option("--quiet", is_flag=True, help="Only errors on the terminal (log.txt still gets everything).")
-@click.option("--detach", is_flag=True, help="Train in the background (survives the terminal); print the run id.")
+@click.option("--quiet", is_flag=True, help="Print only the run id and errors (log.txt still gets everything).")
+@click.option("--detach", is_flag=True, help="Train in the background (survives the terminal); return once it "
+                                             "has started and say how to follow it.")
 @click.option("--force", is_flag=True, help="Run even if the memory estimate says it will not fit (recorded).")
 def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) -> None:
     """Train the job in JOB (a TOML file), in this terminal or in the background (--detach).
 
-    Everything is validated before anything is written. Ctrl-C or SIGTERM commits a checkpoint
-    at the next step and exits 0; a second Ctrl-C quits at once. Continue with `lodger resume RUN`.
+    Everything is validated before anything is written. At a terminal a live line shows step,
+    loss, elapsed time, ETA and target tokens/s; elsewhere plain step lines are printed. The
+    first line of output is always `run RUN-ID`. Ctrl-C or SIGTERM commits a checkpoint at the
+    next step and exits 0; a second Ctrl-C quits at once. Continue with `lodger resume RUN`.
 
-    Example: lodger run my-job.toml --detach
+    \b
+    Example: lodger run my-job.toml
+             lodger run my-job.toml --detach
     """
+    from ..config import load_job
     from ..session import create_run, execute
 
+    started = time.monotonic()
+    announced = _announce_first_use(load_job(job), quiet)
     run_id, prepared = create_run(job, threads, managed=detach, force=force)
     log_to_run(run_id)
-    click.echo(f"run {run_id}")
-    for use in prepared.job.data_uses():
-        if use.dataset is None:  # allowed by the default policy; recorded in the run's provenance
-            click.echo(f"warning: [data] {use.role} = {str(use.file.path)!r} is not a registered dataset "
-                       f"(sha256 {use.file.sha256}); register it with `lodger data add {use.file.path} --name NAME "
-                       "--license L --owner O`, or refuse such files with [datasets] unregistered = \"strict\" "
-                       "in $LODGER_HOME/config.toml", err=True)
+    if announced:
+        _first_use_done(started)
+    click.echo(f"run {run_id}")  # the command's result, under --quiet too: scripts read the id here
+    if not quiet:
+        _note_unregistered(prepared)
     if detach:
-        _detach(run_id, fresh=True)
+        _detach(run_id, fresh=True, world_size=prepared.job.training.world_size, quiet=quiet)
         return
     execute(run_id, prepared, resuming=False, quiet=quiet)
 
 
-def _detach(run_id: str, fresh: bool, extra: list[str] | None = None) -> None:
+def _announce_first_use(job, quiet: bool) -> bool:
+    """Say what is happening before a model's first use takes a while (converting a GGUF file);
+    True when it was said, so the caller can say when it is done."""
+    from ..model import preparation_notice, resolve_source
+
+    notice = preparation_notice(resolve_source(job.model.source))
+    if notice and not quiet:
+        click.echo(notice, err=True)
+    return bool(notice) and not quiet
+
+
+def _first_use_done(started: float) -> None:
+    import time
+
+    click.echo(f"model prepared in {time.monotonic() - started:.0f} s; later runs skip this step", err=True)
+
+
+def _note_unregistered(prepared) -> None:
+    """One line for data files that are not registered datasets (allowed here; kept in provenance)."""
+    files = [f"[data] {use.role} = {str(use.file.path)!r}" for use in prepared.job.data_uses() if use.dataset is None]
+    if files:
+        verb = "is not a registered dataset" if len(files) == 1 else "are not registered datasets"
+        click.echo(f"warning: {' and '.join(files)} {verb}; allowed on this machine and recorded in the run's "
+                   "provenance; `lodger data add FILE --name N --license L --owner O` registers one "
+                   "(docs/boundary.md)", err=True)
+
+
+def _detach(run_id: str, fresh: bool, world_size: int, extra: list[str] | None = None, quiet: bool = False) -> None:
     from ..home import run_dir
-    from ..launch import spawn_worker, wait_until_running
+    from ..launch import spawn_worker, wait_until_running, wait_until_taken
 
     process = spawn_worker(run_id, fresh=fresh, extra=extra)
-    wait_until_running(run_id, process)
-    click.echo(f"training in the background (pid {process.pid}); log: {run_dir(run_id) / 'log.txt'}")
+    if world_size == 1:
+        wait_until_taken(run_id, process)  # under a second: the worker takes the run before loading anything
+    else:
+        wait_until_running(run_id, process)  # rank 0, a grandchild, takes the run once the ranks are up
+    if quiet:
+        return
+    click.echo(f"training in the background (pid {process.pid}); it loads the model, then trains\n"
+               f"  follow it:  lodger logs {run_id} -f\n"
+               f"  see it:     lodger status   (or lodger show {run_id})\n"
+               f"  log file:   {run_dir(run_id) / 'log.txt'}")
 
 
 @click.command()
@@ -87,8 +132,8 @@ def _detach(run_id: str, fresh: bool, extra: list[str] | None = None) -> None:
 @click.option("--world-size", type=click.IntRange(1, 1024),
               help="Override [training] world_size (processes); refused when the checkpoint was written by "
                    "another number of processes.")
-@click.option("--quiet", is_flag=True, help="Only errors on the terminal.")
-@click.option("--detach", is_flag=True, help="Continue in the background.")
+@click.option("--quiet", is_flag=True, help="Print only errors (log.txt still gets everything).")
+@click.option("--detach", is_flag=True, help="Continue in the background; return once it has started.")
 @click.option("--force", is_flag=True, help="Resume even if the memory estimate says it will not fit (recorded; "
                                            "a run started with --force keeps it).")
 def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool, detach: bool,
@@ -103,8 +148,10 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
+    from ..config import load_job
     from ..control import ask, clear_request, read_requests, run_state
     from ..home import run_dir
+    from ..session import JOB_FILE
     from ..ledger import Ledger
     from ..runlock import holder, is_locked
 
@@ -133,6 +180,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]
             click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
             return
+        _announce_first_use(load_job(folder / JOB_FILE), quiet)
         prepared = _prepare_resume(ledger, run["id"], threads, world_size, force)
         for requester in ("user", "agent"):  # the owner asked for it: earlier pause requests are void
             clear_request(folder, requester)
@@ -141,12 +189,17 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
     if detach:
         click.echo(f"run {run['id']}")
         extra = ([f"--threads={threads}"] if threads else []) + ([f"--world-size={world_size}"] if world_size else [])
-        _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(), extra=extra)
+        job = load_job(folder / JOB_FILE)
+        _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(),
+                world_size=world_size or job.training.world_size, extra=extra, quiet=quiet)
         return
-    from ..session import execute
+    from ..session import execute, take_run
 
     log_to_run(run["id"])
-    execute(run["id"], prepared, resuming=True, quiet=quiet)
+    # Alone, this process takes the run before it loads the model and restores the checkpoint: a
+    # pause sent meanwhile is answered as soon as the model is loaded, not refused as "not training".
+    taken = take_run(run["id"]) if (world_size or prepared.job.training.world_size) == 1 else None
+    execute(run["id"], prepared, resuming=True, quiet=quiet, taken=taken)
 
 
 def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | None, force: bool):

@@ -70,25 +70,56 @@ def _hook_backward(output, control) -> None:
         tensor.register_hook(control.yield_point)  # returns None: the gradient is left as it is
 
 
+def eval_due(s: "Session", step: int) -> bool:
+    """Whether the schedule evaluates after ``step``: at the start, every ``eval_every`` steps, at the end."""
+    every = s.job.training.eval_every
+    return step in (0, s.total_steps) or bool(every and step % every == 0)
+
+
 @torch.no_grad()
-def evaluate(s: "Session") -> float | None:
-    """Token-weighted mean loss on the held-out set (None when there is none)."""
+def evaluate(s: "Session", step: int) -> float | None:
+    """Token-weighted mean loss on the held-out set (None when there is none).
+
+    The yield points stay live here: a hold waits inside the eval, and a release abandons it
+    (``ReleaseRequested`` goes up to ``train``). An eval changes no state and draws no randomness,
+    so the checkpoint of the last finished step is exact, and a resume runs the eval again."""
     if s.eval_set is None or not s.eval_indices or s.rank != 0:
         return None  # rank 0 evaluates alone; the others never wait for it (no collective inside)
+    size = s.job.training.batch_size
+    starts = range(0, len(s.eval_indices), size)
+    s.reporter.eval_started(step, len(s.eval_indices), len(starts))
+    began = time.perf_counter()
+    held_before = s.control.held_seconds
     s.model.eval()
-    total, count, size = 0.0, 0, s.job.training.batch_size
-    for start in range(0, len(s.eval_indices), size):
-        batch = collate(s.eval_set, s.eval_indices[start:start + size], s.pad_id)
-        with s.precision.autocast():
-            loss, n = token_loss_sum(s.model, {k: v.to(s.device) for k, v in batch.items()})
-        total += loss.item()  # .item() syncs with the device; fine once per eval batch
-        count += n
-    s.model.train()
+    s.control.in_step = True  # a release here drops the eval (nothing to undo) instead of waiting for its end
+    total, count = 0.0, 0
+    try:
+        for start in starts:
+            batch = collate(s.eval_set, s.eval_indices[start:start + size], s.pad_id)
+            with s.precision.autocast():
+                loss, n = token_loss_sum(s.model, {k: v.to(s.device) for k, v in batch.items()})
+            total += loss.item()  # .item() syncs with the device; fine once per eval batch
+            count += n
+    finally:
+        s.control.in_step = False
+        s.model.train()
+    s.eval_seconds = time.perf_counter() - began - (s.control.held_seconds - held_before)
     return total / max(count, 1)
 
 
 def train(s: "Session") -> str:
     """Run from ``s.progress`` to the last step; return "finished", "interrupted" or "paused"."""
+    try:
+        return _train_steps(s)
+    except ReleaseRequested:
+        # Give the machine back now, with the state of the last finished step (a partial step has
+        # been undone below; an abandoned eval changed nothing and is run again on resume).
+        s.control.in_step = False
+        s.save_checkpoint(skip_if_exists=True)
+        return "paused"
+
+
+def _train_steps(s: "Session") -> str:
     cfg, p, guard, precision = s.job.training, s.progress, s.guard, s.precision
     micro, accum = cfg.batch_size, cfg.grad_accum
     world, rank = s.world_size, s.rank
@@ -98,11 +129,16 @@ def train(s: "Session") -> str:
     s.model.train()
     if world == 1:  # several ranks answer requests together, once per step (Session.sync_step)
         install_yield_points(s.model, s.control)
-    if p.step == 0 and not s.has_eval_at(0):
-        s.record_eval(0, evaluate(s))
+        if s.control.stop:
+            return "interrupted"  # Ctrl-C or SIGTERM while starting: nothing trained, nothing to commit
+    if eval_due(s, p.step) and not s.has_eval_at(p.step):
+        # The first eval, or one that a release abandoned (the checkpoint it left has no result for it).
+        s.record_eval(p.step, evaluate(s, p.step))
+        if p.step == s.total_steps and s.has_eval_at(p.step) and world == 1:  # (ranks never abandon an eval)
+            s.save_checkpoint()  # the last checkpoint carries the final eval, as in an uninterrupted run
     last_save = time.monotonic()
     while p.step < s.total_steps:
-        started = time.perf_counter()
+        started, held_before = time.perf_counter(), s.control.held_seconds
         p.position = guard.next_position(p.position, per_step)
         lr = lr_at(p.step, s.total_steps, cfg) * guard.state.lr_scale
         for group in s.optimizer.param_groups:
@@ -114,7 +150,7 @@ def train(s: "Session") -> str:
         loss_sum = torch.zeros((), dtype=torch.float32, device=s.device)
         rng_at_step_start = capture_rng()  # a few KB copied; lets a release drop this step exactly
         try:
-            s.control.in_step = True  # a release now drops this step; in an eval it waits for the next
+            s.control.in_step = True  # a release now drops this step
             for index, batch in enumerate(batches):
                 if world == 1:  # with several ranks, control is answered collectively below
                     s.check_limits()
@@ -127,13 +163,11 @@ def train(s: "Session") -> str:
                 precision.backward(loss)
                 loss_sum += loss.detach()
         except ReleaseRequested:
-            # Give the machine back now: forget this step's partial work as if it never began,
-            # so the checkpoint equals the state at the step boundary and resuming stays exact.
-            s.control.in_step = False
+            # Forget this step's partial work as if it never began, so the checkpoint (written by
+            # train()) equals the state at the step boundary and resuming stays exact.
             s.optimizer.zero_grad(set_to_none=True)
             restore_rng(*rng_at_step_start)
-            s.save_checkpoint(skip_if_exists=True)
-            return "paused"
+            raise
         s.control.in_step = False
         release = stop = time_due = False
         if world > 1:
@@ -152,8 +186,9 @@ def train(s: "Session") -> str:
         p.step += 1
         p.position += per_step
         p.tokens += step_tokens
+        held = s.control.held_seconds - held_before  # the owner's time, not the step's: reported apart
         s.record_step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
-                      seconds=time.perf_counter() - started, skipped=not finite or overflow,
+                      seconds=time.perf_counter() - started - held, held=held, skipped=not finite or overflow,
                       samples=None if finite else [int(s.train_set.lines[i]) for i in step_ids])
         if verdict == "spike" and rank == 0:
             s.ledger.event(s.run_id, "loss_spike", step=p.step, loss=loss_value, zscore=round(zscore, 2))
@@ -162,14 +197,14 @@ def train(s: "Session") -> str:
             last_save = time.monotonic()
             continue
         if cfg.eval_every and p.step % cfg.eval_every == 0 and p.step < s.total_steps:
-            s.record_eval(p.step, evaluate(s))
+            s.record_eval(p.step, evaluate(s, p.step))
         ck = s.job.checkpoints
         due = (ck.every_steps and p.step % ck.every_steps == 0) or (
             ck.every_seconds is not None and time.monotonic() - last_save >= ck.every_seconds)
         if world > 1:  # rank 0's clock decides, or the ranks would disagree about saving
             due = (ck.every_steps and p.step % ck.every_steps == 0) or time_due
         if p.step == s.total_steps:
-            s.record_eval(p.step, evaluate(s))
+            s.record_eval(p.step, evaluate(s, p.step))
         if guard.state.bad_in_row:
             due = False  # never commit a state in the middle of a run of bad steps
         stopping = bool(s.control.stop) if world == 1 else stop

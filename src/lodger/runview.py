@@ -1,0 +1,91 @@
+"""A run as people see it: the live step (from the running process) beside the last checkpoint's.
+
+The ledger's ``step`` is the step of the newest committed checkpoint: it moves only when one is
+written. The process itself is further on; its newest step is the last train record of
+``metrics.jsonl`` (appended after every step). ``status``, ``ls`` and ``show`` read both and say
+which is which. No torch here: these commands must start in a blink.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+TAIL_BYTES = 64 * 1024  # the end of metrics.jsonl holds the newest records; never read it all
+
+
+def newest_records(folder: Path) -> tuple[dict | None, dict | None]:
+    """(newest train record, newest eval record) of a run folder's metrics.jsonl, read from its end."""
+    path = Path(folder) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - TAIL_BYTES))
+            chunk = fh.read()
+    except OSError:
+        return None, None
+    train = evaluation = None
+    lines = chunk.split(b"\n")
+    if size > TAIL_BYTES:
+        lines = lines[1:]  # the first piece may be the end of a line cut by the seek
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # empty, or a line being written right now
+        if record.get("kind") == "train" and train is None:
+            train = record
+        elif record.get("kind") == "eval" and evaluation is None:
+            evaluation = record
+        if train is not None and evaluation is not None:
+            break
+    return train, evaluation
+
+
+def progress(run: dict, folder: Path | None) -> dict:
+    """Where a run stands: ``step`` (newest logged), ``checkpoint_step`` (newest committed), loss.
+
+    For a remote run (or one without a local folder) both are the ledger's, as of the last sync."""
+    info = {"step": run["step"], "checkpoint_step": run["step"], "total_steps": run["total_steps"],
+            "loss": run.get("loss"), "eval_loss": None, "eval_step": None}
+    if folder is None or run.get("target"):
+        return info
+    train, evaluation = newest_records(folder)
+    if train is not None and train.get("step", -1) >= run["step"]:
+        info["step"], info["loss"] = train["step"], train.get("loss")
+    if evaluation is not None:
+        info["eval_loss"], info["eval_step"] = evaluation.get("eval_loss"), evaluation.get("step")
+    return info
+
+
+def step_text(info: dict) -> str:
+    """"14/24 (ckpt 12)"; just "24/24" when the newest checkpoint is at the newest step."""
+    text = f"{info['step']}/{info['total_steps']}"
+    if info["checkpoint_step"] != info["step"]:
+        text += f" (ckpt {info['checkpoint_step']})"
+    return text
+
+
+def loss_text(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.4f}"
+
+
+def table(rows: list[list[str]], header: list[str], width: int | None, keep: int = 2) -> list[str]:
+    """Align ``rows`` under ``header`` in at most ``width`` characters (None: no limit).
+
+    Columns are listed in order of importance: the last ones are dropped first when the width is
+    short, and the first ``keep`` (the run id and its status) are always shown whole, never cut,
+    even if the line is then longer than ``width``: an id is for copying."""
+    gap = 2
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    shown = len(header)
+    if width is not None:
+        while shown > keep and sum(widths[:shown]) + gap * (shown - 1) > width:
+            shown -= 1
+    lines = []
+    for cells in [header, *rows]:
+        parts = [str(cell).ljust(widths[i]) for i, cell in enumerate(cells[:shown])]
+        lines.append((" " * gap).join(parts).rstrip())
+    return lines
