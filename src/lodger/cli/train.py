@@ -180,7 +180,8 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]
             click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
             return
-        _announce_first_use(load_job(folder / JOB_FILE), quiet)
+        if (folder / JOB_FILE).is_file():  # a missing one is refused, with its own message, just below
+            _announce_first_use(load_job(folder / JOB_FILE), quiet)
         prepared = _prepare_resume(ledger, run["id"], threads, world_size, force)
         for requester in ("user", "agent"):  # the owner asked for it: earlier pause requests are void
             clear_request(folder, requester)
