@@ -481,7 +481,9 @@ with open("/proc/self/status") as fh:
 def _runtime_key(threads: int) -> str:
     from importlib.metadata import version
 
-    parts = [sys.version, str(threads)] + [version(p) for p in ("torch", "transformers", "peft", "lodger")]
+    from . import __version__
+
+    parts = [sys.version, str(threads)] + [version(p) for p in ("torch", "transformers", "peft")] + [__version__]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

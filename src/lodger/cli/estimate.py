@@ -76,10 +76,12 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     model_config = json.loads((prepared.folder / "config.json").read_text())
     seq = min(cfg.data.max_length, _longest_example(prepared.train_set))
     rate = memory.flops_per_second(threads, cfg.training.precision)
+    gpu = prepared.device == "cuda"
+    # On a GPU the estimate is of GPU memory (no CPU process runtime in it), against free GPU memory.
     est = memory.estimate(cfg, model_config, seq_len=seq, flops_per_second=rate,
-                          total_steps=prepared.total_steps,
-                          runtime_bytes=memory.runtime_bytes(threads=threads, use_current=False))
-    available = memory.memory_available()
+                          total_steps=prepared.total_steps, device=prepared.device,
+                          runtime_bytes=None if gpu else memory.runtime_bytes(threads=threads, use_current=False))
+    available = _free_gpu_memory() if gpu else memory.memory_available()
     limit = int(cfg.limits.memory_gb * GiB) if cfg.limits.memory_gb else None
     budget = min(available, limit) if limit else available
     fits = est.total_bytes <= budget
@@ -144,3 +146,9 @@ def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fi
 
 
 COMMANDS = [estimate]
+
+
+def _free_gpu_memory() -> int:
+    import torch
+
+    return torch.cuda.mem_get_info()[0]

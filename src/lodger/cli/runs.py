@@ -146,7 +146,9 @@ def show(run_id: str, as_json: bool) -> None:
                    f"{p['data']['train']['sha256'][:16]}")
     created = next((e["data"] for e in events if e["kind"] == "created"), {})
     estimate = created.get("memory_estimate")
-    peak = max((e["data"].get("compute", {}).get("peak_rss_bytes") or 0 for e in events if "compute" in e["data"]),
+    # A GPU estimate is of GPU memory: compare it with the GPU's peak, not the process's resident set.
+    measure = "peak_gpu_bytes" if estimate and estimate.get("device") == "cuda" else "peak_rss_bytes"
+    peak = max((e["data"].get("compute", {}).get(measure) or 0 for e in events if "compute" in e["data"]),
                default=0)
     if estimate:
         measured = f", measured peak {peak / 2**30:.2f} GiB (ratio {peak / estimate['total_bytes']:.2f})" if peak else ""

@@ -112,6 +112,7 @@ def determinism() -> dict[str, Any]:
 
     return {
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,

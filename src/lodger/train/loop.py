@@ -181,6 +181,8 @@ def _train_steps(s: "Session") -> str:
         finite = (math.isfinite(loss_value) and math.isfinite(norm_value)) or overflow
         if finite:
             precision.step(s.optimizer)  # with fp16 loss scaling an overflow skips inside and lowers the scale
+        else:
+            precision.skip()
         s.optimizer.zero_grad(set_to_none=True)
         verdict, zscore = guard.after_step(p.step + 1, p.position, loss_value, finite)
         p.step += 1

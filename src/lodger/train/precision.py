@@ -35,6 +35,12 @@ class Precision:
         else:
             optimizer.step()
 
+    def skip(self) -> None:
+        """A step whose loss or gradients were not finite is skipped: the scaler must still close
+        its step (``unscale_`` was called) and lower its scale, or the next step's ``unscale_`` raises."""
+        if self.scaler:
+            self.scaler.update()
+
     def state(self) -> dict:
         return self.scaler.state_dict() if self.scaler else {}
 
