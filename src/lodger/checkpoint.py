@@ -35,6 +35,30 @@ class Checkpoint:
     manifest: dict
     files: dict[str, bytes] = field(repr=False)
 
+    @property
+    def world_size(self) -> int:
+        """How many training processes wrote it (their RNG files are part of it)."""
+        return int(self.manifest.get("world_size") or 1)
+
+
+def step_folder(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def newest_world_size(root: Path) -> int | None:
+    """The world size of the newest committed checkpoint under ``root`` whose manifest reads
+    (no verification of the files, no torch: read before launching the processes)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))), reverse=True)
+    for _, path in steps:
+        try:
+            return int(json.loads((path / MANIFEST).read_bytes()).get("world_size", 1))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue  # damaged: resume will move it aside and use the previous one
+    return None
+
 
 def _sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
@@ -140,6 +164,9 @@ class CheckpointStore:
                 raise CheckpointError(f"{path.name}/{name}: sha256 does not match the manifest (corrupt)")
             files[name] = data
         return Checkpoint(step=int(manifest["step"]), path=path, manifest=manifest, files=files)
+
+    def load_step(self, step: int) -> Checkpoint:
+        return self.load(step_folder(self.root, step))
 
     def latest_good(self, on_damaged: Callable[[Path, str, Path], None] | None = None,
                     check: Callable[[Checkpoint], None] | None = None) -> Checkpoint | None:

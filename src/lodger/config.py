@@ -450,6 +450,14 @@ def total_steps(job: JobConfig, n_train: int) -> int:
     return max(1, math.ceil(job.training.epochs * n_train / per_step))
 
 
+def job_hash(job: JobConfig) -> str:
+    """The identity of a job: sha256 of its resolved settings (recorded with every run of it)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(job.resolved_dict(), sort_keys=True).encode()).hexdigest()
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -21,7 +21,6 @@ fixed order, and a two-rank sum is a single commutative addition):
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -46,19 +45,10 @@ def inside_launch() -> bool:
 
 
 def checkpoint_world_size(run_folder: Path) -> int | None:
-    """The world size of the newest committed checkpoint whose manifest reads (no torch; before launching)."""
-    from .checkpoint import _STEP_DIR, MANIFEST
+    """The world size of the run's newest committed checkpoint, from its manifest (no torch)."""
+    from .checkpoint import newest_world_size
 
-    root = Path(run_folder) / "checkpoints"
-    if not root.is_dir():
-        return None
-    steps = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))), reverse=True)
-    for _, path in steps:
-        try:
-            return int(json.loads((path / MANIFEST).read_bytes()).get("world_size", 1))
-        except (OSError, ValueError, TypeError, AttributeError):
-            continue  # damaged: resume will move it aside and use the previous one
-    return None
+    return newest_world_size(Path(run_folder) / "checkpoints")
 
 
 def refuse_other_world_size(run_id: str, recorded: int | None, now: int) -> None:

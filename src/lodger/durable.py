@@ -3,8 +3,8 @@
 Every write that must survive a power cut goes through here: write, fsync the file, rename,
 fsync the folder. Two test hooks live here too:
 
-- Fault points: ``fault_point(name)`` kills the process at once with SIGKILL when the environment
-  variable ``LODGER_FAULT`` names it (``name`` or ``name@N`` for its N-th occurrence, 1-based).
+- Fault points: ``fault_point(name)`` (from faults.py, where test-only fault injection lives) kills
+  the process at once with SIGKILL when ``LODGER_FAULT`` names it (``name`` or ``name@N``).
 - A recorder: ``set_recorder(obj)`` receives every durable operation, so a test can rebuild a
   folder from only what had been fsynced at any moment (power-loss simulation).
 """
@@ -14,12 +14,10 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 from pathlib import Path
 from typing import Protocol
 
-FAULT_ENV = "LODGER_FAULT"
-_fault_counts: dict[str, int] = {}
+from .faults import FAULT_ENV, fault_point  # noqa: F401 (the hook production code calls)
 
 
 class Recorder(Protocol):
@@ -38,19 +36,6 @@ def set_recorder(recorder: Recorder | None) -> None:
 def _record(op: str, path: Path, dest: Path | None = None) -> None:
     if _recorder is not None:
         _recorder.record(op, Path(path), None if dest is None else Path(dest))
-
-
-def fault_point(name: str) -> None:
-    """Die here, now, with SIGKILL if the test harness asked for it through $LODGER_FAULT."""
-    wanted = os.environ.get(FAULT_ENV)
-    if not wanted:
-        return
-    target, _, nth = wanted.partition("@")
-    if target != name:
-        return
-    _fault_counts[name] = _fault_counts.get(name, 0) + 1
-    if _fault_counts[name] >= int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def is_plain_name(name) -> bool:

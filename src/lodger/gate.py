@@ -59,9 +59,9 @@ class Plan:
         return sum(f.size for f in self.files)
 
     def job_hash(self) -> str:
-        from .session import _job_hash  # the same identity a local run of this job records
+        from .config import job_hash  # the same identity a local run of this job records
 
-        return _job_hash(self.job)
+        return job_hash(self.job)
 
     def summary(self) -> dict[str, Any]:
         """The plan as JSON-ready data (shown by `submit --json`, recorded with the approval)."""
@@ -210,7 +210,7 @@ def _check_fit(plan: Plan) -> list[str]:
     import json
 
     from . import memory
-    from .session import prepare
+    from .run import prepare
 
     job, target = plan.job, plan.target
     device = "cuda" if target.gpus_per_node and job.training.device != "cpu" else "cpu"

@@ -579,8 +579,6 @@ def measure(job: "JobConfig", folder: Path, *, seq_len: int | None = None, steps
 
 def _measure_child() -> None:
     """Body of the measuring process: the pieces of `lodger run`, a few steps, VmHWM."""
-    import contextlib
-
     spec = json.loads(sys.stdin.read())
     if spec.get("pinned"):
         pin_allocator()
@@ -588,8 +586,9 @@ def _measure_child() -> None:
 
     from .config import JobConfig
     from .model import adapter_files, attach_method, load_base_model, load_tokenizer
-    from .train.loop import token_loss_sum
     from .train.optim import build_optimizer, optimizer_files
+    from .train.precision import Precision
+    from .train.step import micro_step, optimizer_step
 
     job = JobConfig.model_validate(spec["job"])
     cfg = job.training
@@ -615,24 +614,22 @@ def _measure_child() -> None:
     attention[-1, seq - max(1, seq // 4):] = 0  # real batches are padded: SDPA then keeps a mask
     batch = {"input_ids": ids, "attention_mask": attention,
              "labels": torch.where(attention.bool(), ids, torch.tensor(-100))}
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cfg.precision != "fp32" \
-        else contextlib.nullcontext
+    # The CPU estimate: bf16 autocast stands in for every half precision (fp16 needs a GPU).
+    precision = Precision("fp32" if cfg.precision == "fp32" else "bf16", "cpu")
+    step_tokens = max(int((batch["labels"] != -100).sum()) * cfg.grad_accum, 1)
     model.train()
     step_peaks, step_seconds = [], []
-    for _ in range(spec["steps"]):
+    for _ in range(spec["steps"]):  # the loop's own step functions (train/step.py)
         started = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float32)
         for _ in range(cfg.grad_accum):
-            with autocast():
-                loss, count = token_loss_sum(model, batch)
-            (loss / max(count, 1)).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            loss_sum += micro_step(model, batch, precision, "cpu", step_tokens)
+        optimizer_step(params, optimizer, precision, cfg.max_grad_norm or math.inf, loss_sum)
         step_seconds.append(time.perf_counter() - started)
         step_peaks.append(_proc_status("VmHWM"))
         phases[f"step{len(step_peaks)}"] = _proc_status("VmRSS")
     phases["file"] = _proc_status("RssFile")
-    # A checkpoint as Session.save_checkpoint writes it: streamed from the tensors' memory.
+    # A checkpoint as train/checkpointer.py writes it: streamed from the tensors' memory.
     import tempfile
 
     from .checkpoint import CheckpointStore

@@ -11,7 +11,7 @@ from lodger.config import RemoteConfig
 from lodger.control import Control, ReleaseRequested, write_request
 from lodger.home import run_dir
 from lodger.ledger import Ledger
-from lodger.remote.limits import COST_ENV, REMOTE_ENV, RemoteLimits
+from lodger.train.limits import COST_ENV, REMOTE_ENV, RemoteLimits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from helpers import flip_byte, wait_until  # noqa: E402

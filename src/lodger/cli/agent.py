@@ -137,7 +137,7 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
     from ..durable import atomic_write
     from ..home import home
     from ..ledger import Ledger
-    from ..session import create_run, execute
+    from ..run import create_run, execute
 
     lock = StarterLock(queue_id)
     with Ledger() as ledger:

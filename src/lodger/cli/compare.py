@@ -91,7 +91,7 @@ def reproduce(run_id: str, quiet: bool) -> None:
     """
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..session import JOB_FILE, create_run, execute
+    from ..run import JOB_FILE, create_run, execute
     from .. import config
     from ..model import resolve_source
     from ..checkpoint import hash_file

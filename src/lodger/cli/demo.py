@@ -41,7 +41,7 @@ def demo(steps: int, threads: int | None) -> None:
     """
     from ..home import home, run_dir
     from ..ledger import Ledger
-    from ..session import create_run, execute
+    from ..run import create_run, execute
 
     threads = threads or len(os.sched_getaffinity(0))
     folder = home() / "demo"

@@ -60,7 +60,7 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     """
     from .. import memory
     from ..config import load_job
-    from ..session import prepare
+    from ..run import prepare
 
     cfg = load_job(job)
     import time

@@ -64,7 +64,7 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
              lodger run my-job.toml --detach
     """
     from ..config import load_job
-    from ..session import create_run, execute
+    from ..run import create_run, execute
 
     started = time.monotonic()
     announced = _announce_first_use(load_job(job), quiet)
@@ -151,7 +151,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
     from ..config import load_job
     from ..control import ask, clear_request, read_requests, run_state
     from ..home import run_dir
-    from ..session import JOB_FILE
+    from ..run import JOB_FILE
     from ..ledger import Ledger
     from ..runlock import holder, is_locked
 
@@ -194,7 +194,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
         _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(),
                 world_size=world_size or job.training.world_size, extra=extra, quiet=quiet)
         return
-    from ..session import execute, take_run
+    from ..run import execute, take_run
 
     log_to_run(run["id"])
     # Alone, this process takes the run before it loads the model and restores the checkpoint: a
@@ -208,7 +208,7 @@ def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | 
     anything is written (the data, the machine or config.toml's [limits] may have changed since)."""
     from ..distributed import checkpoint_world_size, refuse_other_world_size
     from ..home import run_dir
-    from ..session import preflight, resume_prepared
+    from ..run import preflight, resume_prepared
 
     prepared = resume_prepared(run_id, threads, world_size)
     refuse_other_world_size(run_id, checkpoint_world_size(run_dir(run_id)), prepared.job.training.world_size)

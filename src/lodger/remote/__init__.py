@@ -97,7 +97,7 @@ def job_logs(run: dict) -> str:
 
 def _submit_job(info: dict, run_id: str, submission_id: str, job) -> None:
     """Start `lodger _remote_worker` on the cluster: first start and every resume alike."""
-    from .limits import COST_ENV, REMOTE_ENV
+    from ..train.limits import COST_ENV, REMOTE_ENV
 
     client = _client(info["address"])
     entrypoint = " ".join(shlex.quote(part) for part in (
@@ -128,7 +128,8 @@ def submit(plan) -> str:
     from ..config import to_toml
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..session import JOB_FILE, _job_hash, new_run_id
+    from ..config import job_hash
+    from ..run import JOB_FILE, new_run_id
 
     job, target = plan.job, plan.target
     storage = Path(target.storage).expanduser()
@@ -154,7 +155,7 @@ def submit(plan) -> str:
     with Ledger() as ledger:
         with ledger.transaction():
             ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
-                              job_hash=_job_hash(job), job_toml=to_toml(job.resolved_dict()),
+                              job_hash=job_hash(job), job_toml=to_toml(job.resolved_dict()),
                               total_steps=_total_steps(job), pid=None, managed=True)
             ledger.update_run(run_id, target=plan.target_name, remote=json.dumps(info), remote_job_id=submission_id)
         try:

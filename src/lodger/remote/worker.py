@@ -15,7 +15,7 @@ def start(run_id: str, job_path: Path) -> str:
     from ..errors import RunNotFound
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..session import create_run, execute, resume_prepared
+    from ..run import create_run, execute, resume_prepared
 
     with Ledger() as ledger:
         try:

@@ -1,0 +1,42 @@
+"""Test-only fault injection, in one place. Production code reaches it through ``fault_point``
+(``durable.fault_point`` is this function) and, in the training step, ``loss_factor``.
+
+- ``LODGER_FAULT=name`` or ``name@N``: ``fault_point(name)`` kills the process with SIGKILL at that
+  place (its N-th occurrence, 1-based). The names are listed where they are used
+  (recovery.LEDGER_FAULT_POINTS, checkpoint.py, run.py).
+- ``LODGER_TEST_POISON_LINES=3,7``: a micro-batch holding one of these training-file lines gets
+  its loss multiplied by Inf (the non-finite guard's end-to-end tests).
+Both read the environment only; with neither set they cost a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+FAULT_ENV = "LODGER_FAULT"
+POISON_ENV = "LODGER_TEST_POISON_LINES"
+_fault_counts: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """Die here, now, with SIGKILL if the test harness asked for it through $LODGER_FAULT."""
+    wanted = os.environ.get(FAULT_ENV)
+    if not wanted:
+        return
+    target, _, nth = wanted.partition("@")
+    if target != name:
+        return
+    _fault_counts[name] = _fault_counts.get(name, 0) + 1
+    if _fault_counts[name] >= int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poisoned_lines() -> frozenset[int]:
+    return frozenset(int(x) for x in os.environ.get(POISON_ENV, "").split(",") if x.strip())
+
+
+def loss_factor(lines: list[int], poisoned: frozenset[int]) -> float:
+    """Inf when a micro-batch holds a poisoned line, else 1."""
+    return math.inf if poisoned and any(line in poisoned for line in lines) else 1.0

@@ -1,0 +1,351 @@
+"""A run from start to end: validate everything, create the run folder, build the training state,
+restore the newest good checkpoint when resuming, run the loop, and record what happened.
+
+Nothing is written for a new run until the job, the data and the model have all been checked.
+The live state of the training process is train/state.py; this module is the run's lifecycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import durable
+from .config import JobConfig, job_hash, load_job, to_toml, total_steps
+from .control import Control, clear_request
+from .data import read_jsonl, split_indices, tokenize
+from .distributed import Ranks
+from .errors import LimitReached, PreflightError, RunStateError
+from .home import run_dir
+from .ledger import Ledger
+from .recovery import complete_ledger
+from .report import plural
+from .restarts import mark_starting
+from .runlock import RunLock
+from .compare import segment_compute
+from .model import check_target_modules, model_folder, resolve_source, tokenizer_hash
+
+if TYPE_CHECKING:
+    from .train.state import Prepared, Session
+
+JOB_FILE = "job.toml"
+
+
+def prepare(job: JobConfig, device: str | None = None) -> Prepared:
+    """Validate data (every line), resolve and cache the model, tokenise. Writes only caches.
+
+    ``device`` skips choosing one here: the gate prepares a job for another machine's device."""
+    from .model import load_tokenizer
+    from .train.determinism import pick_device
+    from .train.state import Prepared
+
+    train_file = read_jsonl(job.data.train)
+    eval_file = read_jsonl(job.data.eval) if job.data.eval is not None else None
+    source = resolve_source(job.model.source)
+    folder = model_folder(source)
+    tokenizer = load_tokenizer(folder)
+    tok_sha = tokenizer_hash(folder)
+    check_target_modules(folder, job.method)
+    train_set = tokenize(train_file, tokenizer, tok_sha, job.data.max_length)
+    if eval_file is not None:
+        eval_set = tokenize(eval_file, tokenizer, tok_sha, job.data.max_length)
+        train_indices, eval_indices = list(range(len(train_set))), list(range(len(eval_set)))
+    else:
+        train_indices, eval_indices = split_indices(len(train_set), job.data.eval_fraction, job.training.seed)
+        eval_set = train_set if eval_indices else None
+    return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
+                    train_indices, eval_indices, total_steps(job, len(train_indices)), device or pick_device(job))
+
+
+def preflight(prepared: Prepared, force: bool = False) -> dict:
+    """Estimate peak memory; refuse (before anything is written) a job that will not fit."""
+    from .memory import estimate, memory_available, runtime_bytes, suggestions
+
+    job = prepared.job
+    config = json.loads((prepared.folder / "config.json").read_text())
+    longest = int((prepared.train_set.offsets[1:] - prepared.train_set.offsets[:-1]).max())
+    runtime = None if prepared.device == "cuda" else runtime_bytes(threads=job.training.threads, use_current=False)
+    est = estimate(job, config, seq_len=min(longest, job.data.max_length), device=prepared.device,
+                   runtime_bytes=runtime)
+    # Data-parallel ranks on the CPU share this machine's memory; on GPUs each has its own device.
+    ranks = 1 if prepared.device == "cuda" else job.training.world_size
+    if prepared.device == "cuda":
+        import torch
+
+        available, what = torch.cuda.mem_get_info()[0], "free GPU memory"
+    else:
+        available, what = memory_available(), "available memory"
+    needed = est.total_bytes * ranks
+    if job.limits.memory_gb and job.limits.memory_gb * 2**30 * ranks < available:  # the ceiling is per process
+        available, what = int(job.limits.memory_gb * 2**30) * ranks, "[limits] memory_gb"
+    summary = {"total_bytes": est.total_bytes, "largest": est.largest, "items": est.items,
+               "available_bytes": available, "device": prepared.device, "forced": False, "processes": ranks}
+    if needed > available:
+        if not force:
+            gib = 2**30
+            fixes = "\n".join(f"  - {fix}" for fix in suggestions(est, job, available // ranks))
+            each = f" ({ranks} processes of {est.total_bytes / gib:.2f} GiB)" if ranks > 1 else ""
+            raise PreflightError(
+                f"this job needs an estimated {needed / gib:.2f} GiB at its peak{each}, more than the "
+                f"{available / gib:.2f} GiB of {what}; the largest item is {est.largest} "
+                f"({est.items[est.largest] / gib:.2f} GiB). What would make it fit:\n{fixes}\n"
+                "(`lodger estimate JOB` shows the breakdown; `--force` runs it anyway and records that)")
+        summary["forced"] = True
+    return summary
+
+
+def create_run(job_path: Path, threads: int | None = None, *, name: str | None = None,
+               reproduces: str | None = None, managed: bool = False, force: bool = False,
+               run_id: str | None = None) -> tuple[str, Prepared]:
+    """Validate a job file and create its run (folder and ledger row) atomically.
+
+    ``run_id`` is given only by a remote worker: its run keeps the id of the local run it serves."""
+    job = load_job(job_path)
+    if threads is not None:
+        job.training.threads = threads
+    if job.training.threads is None:
+        job.training.threads = len(os.sched_getaffinity(0))
+    prepared = prepare(job)
+    memory = preflight(prepared, force)
+    name = name or job.name or Path(job_path).stem
+    run_id = run_id or new_run_id(name)
+    durable.write_folder(run_dir(run_id), {JOB_FILE: to_toml(job.resolved_dict()).encode()})
+    mark_starting(run_dir(run_id))  # the agent leaves a "created" run alone while its creator lives
+    with Ledger() as ledger:
+        ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
+                          job_hash=job_hash(job), job_toml=to_toml(job.resolved_dict()),
+                          total_steps=prepared.total_steps, pid=None, reproduces=reproduces, managed=managed,
+                          estimate=memory)
+    durable.fault_point("after_create_run")
+    return run_id, prepared
+
+
+def new_run_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def take_run(run_id: str) -> tuple[Control, RunLock]:
+    """Make this process the one training ``run_id``: handlers first, then the lock (from the moment
+    the lock names our pid, a pause request is caught, not fatal). A detached worker does this
+    before validating and tokenising, so a pause sent while it starts is answered, not refused."""
+    folder = run_dir(run_id)
+    # A limit is judged afresh by every process (`lodger resume` clears the user's and the agent's
+    # requests itself; a user's hold survives a reboot).
+    clear_request(folder, "limit")
+    control = Control(folder).install_signal_handlers()
+    return control, RunLock(folder)
+
+
+def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = False,
+            taken: tuple[Control, RunLock] | None = None) -> str:
+    """Train a run in this process until it finishes or is interrupted; return the final status.
+
+    ``taken``: what ``take_run`` returned, when this process took the run early (one process only)."""
+    from . import distributed as dist
+
+    folder = run_dir(run_id)
+    world = prepared.job.training.world_size
+    if resuming:  # refused before anything starts, not after N processes loaded the model
+        dist.refuse_other_world_size(run_id, dist.checkpoint_world_size(folder), world)
+    ranks = Ranks()
+    if world > 1:
+        if not dist.inside_launch():
+            dist.launch(run_id, world, prepared.job.training.threads, fresh=not resuming, quiet=quiet)
+        ranks = dist.init(world, prepared.device)
+        if ranks.rank > 0:
+            return _execute_quiet_rank(run_id, prepared, resuming=resuming, ranks=ranks)
+    return _execute(run_id, prepared, resuming=resuming, quiet=quiet, ranks=ranks, taken=taken)
+
+
+def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, ranks: Ranks) -> str:
+    """A rank other than 0: the same training, no lock, no ledger, no files; rank 0 speaks for the run."""
+    from .report import Reporter
+    from .train.loop import train
+    from .train.state import Session
+
+    control = Control(None).install_signal_handlers()  # SIGTERM/Ctrl-C only; rank 0 broadcasts what counts
+    session = Session(run_id, prepared, None, quiet=True, control=control, ranks=ranks)
+    session.recorder.reporter = Reporter(Path(os.devnull), session.total_steps, 0, quiet=True)
+    if resuming:
+        ckpt = session.checkpointer.agreed()  # in step with rank 0's _resume_state
+        if ckpt is not None:
+            session.checkpointer.restore(ckpt)
+    status = train(session)
+    if status == "paused":  # as rank 0 does: give the memory back now
+        sys.stdout.flush()
+        os._exit(0)
+    return status
+
+
+def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ranks: Ranks,
+             taken: tuple[Control, RunLock] | None) -> str:
+    from .train.loop import train
+    from .train.state import Session
+
+    control, lock = taken or take_run(run_id)
+    ledger = Ledger()
+    try:
+        session = Session(run_id, prepared, ledger, quiet=quiet, control=control, ranks=ranks)
+    except Exception as exc:  # e.g. out of memory while loading: recorded, not silently left "created"
+        ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=0)
+        ledger.close()
+        lock.release()
+        raise
+    session.recorder.reporter = reporter = _reporter(session, quiet)
+    _announce_holds(session, ledger, reporter)
+    try:
+        _start_segment(session, ledger, resuming=resuming)
+        status = train(session)
+        _record_end(session, ledger, status)
+        if status == "paused":
+            # Give the machine back now: skip interpreter teardown (seconds of freeing torch and
+            # friends). The kernel drops the run lock only when the process is gone, so whoever
+            # waits on the lock sees the memory truly free.
+            reporter.close()
+            ledger.close()
+            limit = (session.control.release or {}).get("by") == "limit"
+            if limit:
+                print(f"error: run {run_id} stopped: {session.control.release.get('reason')}; its checkpoint "
+                      f"at step {session.progress.step} is committed", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(LimitReached.exit_code if limit else 0)
+        return status
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt):
+            ledger.update_run(run_id, pid=None)
+            ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=session.progress.step)
+        raise
+    finally:
+        reporter.close()
+        ledger.close()
+        lock.release()
+
+
+def _announce_holds(session: Session, ledger: Ledger, reporter) -> None:
+    """A hold and its end go to the ledger and the log as they happen."""
+    run_id = session.run_id
+
+    def on_hold(request: dict) -> None:
+        ledger.set_status(run_id, "held", "held", step=session.progress.step, by=request.get("by"),
+                          reason=request.get("reason"))
+        reporter.held(request.get("by"), request.get("reason"))
+
+    def on_continue(request: dict, held: float) -> None:
+        ledger.set_status(run_id, "running", "continued", step=session.progress.step, by=request.get("by"),
+                          held_seconds=round(held, 3))
+        reporter.continued(held)
+
+    session.control.on_hold, session.control.on_continue = on_hold, on_continue
+
+
+def _start_segment(session: Session, ledger: Ledger, *, resuming: bool) -> None:
+    """Tidy the checkpoints, restore when resuming, record the segment's provenance and start."""
+    run_id, reporter, progress = session.run_id, session.recorder.reporter, session.progress
+    stale = session.store.clean_stale()
+    if stale:
+        reporter.message(f"removed {len(stale)} unfinished checkpoint folder(s)")
+    session.store.prune()  # a crash between a commit and its prune leaves one too many
+    run = ledger.run(run_id)
+    lost_after = _resume_state(session) if resuming else 0
+    progress.segment = run["segment"] + 1 if resuming else 0
+    ledger.add_provenance(run_id, progress.segment, session.provenance())
+    _write_provenance_json(session.dir, ledger.provenance(run_id))
+    ledger.update_run(run_id, pid=os.getpid(), segment=progress.segment)
+    earlier = segment_compute(ledger.events(run_id))
+    session.limits.prior_cpu_seconds = sum(seg.get("cpu_seconds") or 0.0 for seg in earlier)
+    session.limits.prior_wall_seconds = sum(seg.get("wall_seconds") or 0.0 for seg in earlier)
+    lost = {"lost_after_step": lost_after} if resuming else {}
+    world = session.world_size
+    ledger.set_status(run_id, "running", "resumed" if resuming else "started",
+                      step=progress.step, segment=progress.segment, pid=os.getpid(),
+                      threads=session.job.training.threads, limits=session.applied_limits, **lost,
+                      **({"world_size": world} if world > 1 else {}))
+    session.control.announce("running")
+    p = session.p
+    reporter.message(f"run {run_id}: {'resuming at' if resuming else 'starting at'} step "
+                     f"{progress.step}/{session.total_steps} "
+                     f"({len(p.train_indices)} train / {len(p.eval_indices)} eval examples, "
+                     f"{plural(session.job.training.threads, 'thread')}"
+                     + (f" x {world} processes)" if world > 1 else ")"))
+    reporter.started(progress.step)
+
+
+def _record_end(session: Session, ledger: Ledger, status: str) -> None:
+    run_id, reporter, step, control = session.run_id, session.recorder.reporter, session.progress.step, session.control
+    compute = session.meter.read()
+    if status == "finished":
+        adapter = session.write_adapter()
+        ledger.update_run(run_id, pid=None)
+        ledger.set_status(run_id, "finished", step=step, eval_loss=session.recorder.evals.get(step),
+                          adapter=str(adapter), compute=compute)
+        reporter.message(f"finished: {step} steps; adapter in {adapter}")
+    elif status == "paused":
+        request = control.release or {}
+        ledger.update_run(run_id, pid=None)
+        ledger.set_status(run_id, "paused", step=step, by=request.get("by"), reason=request.get("reason"),
+                          compute=compute)
+        reporter.message(f"paused at step {step} ({request.get('by')}: {request.get('reason')}); "
+                         f"checkpoint committed; continue with `lodger resume {run_id}`")
+    else:
+        ledger.update_run(run_id, pid=None)
+        ledger.set_status(run_id, "interrupted", step=step, reason=control.stop, compute=compute)
+        reporter.message(f"interrupted ({control.stop}) at step {step}; continue with `lodger resume {run_id}`")
+    control.announce(status)
+
+
+def _reporter(session: Session, quiet: bool):
+    from .report import Reporter
+
+    return Reporter(session.dir / "log.txt", session.total_steps, 0, quiet=quiet)
+
+
+def _resume_state(session: Session) -> int:
+    """Restore the newest good checkpoint (or none); return the step the previous process reached."""
+    rec, ledger, run_id = session.recorder, session.ledger, session.run_id
+
+    def damaged(path: Path, reason: str, aside: Path) -> None:
+        ledger.event(run_id, "damaged_checkpoint", checkpoint=path.name, reason=reason, moved_to=aside.name)
+        rec.message(f"warning: checkpoint {path.name} is damaged ({reason}); moved aside to "
+                    f"{aside.name}, using the previous one")
+
+    ckpt = session.checkpointer.agreed(on_damaged=damaged)
+    if ckpt is None:
+        rec.message("no usable checkpoint: starting again from step 0")
+        return rec.truncate_metrics(-1)
+    differences = session.checkpointer.restore(ckpt)  # checks the data and model first (holders.RunFacts)
+    reached = rec.truncate_metrics(ckpt.step)
+    recovered = complete_ledger(ledger, run_id, session.dir, ckpt)
+    if recovered["checkpoint"] or recovered["metrics"]:
+        rec.message(f"ledger completed from the run folder: {recovered['metrics']} metric line(s)"
+                    + (f", checkpoint {ckpt.path.name} recorded" if recovered["checkpoint"] else ""))
+    if differences:
+        ledger.event(run_id, "drift", step=ckpt.step, differences=differences)
+        rec.message("warning: resuming on a different setup; the result is no longer bitwise "
+                    "comparable with the uninterrupted run:\n  " + "\n  ".join(differences))
+    rec.message(f"restored checkpoint {ckpt.path.name}")
+    return reached
+
+
+def _write_provenance_json(folder: Path, segments: list[dict]) -> None:
+    durable.atomic_write(folder / "provenance.json",
+                         json.dumps({"segments": segments}, indent=1, sort_keys=True, default=str).encode())
+
+
+def resume_prepared(run_id: str, threads: int | None = None, world_size: int | None = None) -> Prepared:
+    """Re-validate a run's recorded job for resuming (optionally at another thread count or world size)."""
+    path = run_dir(run_id) / JOB_FILE
+    if not path.exists():
+        raise RunStateError(f"run {run_id}: its job file {path} is missing; the ledger holds a copy "
+                            f"(`job_toml` in `lodger show {run_id} --json`): write it back to that path")
+    job = load_job(path)
+    if threads is not None:
+        job.training.threads = threads
+    if world_size is not None:
+        job.training.world_size = world_size
+    return prepare(job)

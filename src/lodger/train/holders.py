@@ -1,0 +1,227 @@
+"""What a checkpoint holds, declared once: a map of named state holders.
+
+Each holder has ``state_dict()`` and ``load_state_dict(entries)``. Its state_dict returns
+checkpoint entries: a name with a dot is a file of its own in the step folder
+(``adapter_model.safetensors``, ``optimizer.json``, ``rng.safetensors``); a name without one is a
+key of ``state.json`` (``progress``, ``rng``, ``guard``, ...). Saving iterates the map and writes
+what it collected; restoring iterates the same map over the checkpoint's entries. The learning
+rate has no holder of its own: it is a function of the step and the guard's ``lr_scale``.
+
+Today's files (and their bytes) are the contract: resume of existing checkpoints depends on it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol
+
+from ..errors import RunStateError
+
+
+class StateHolder(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None: ...
+
+
+@dataclass
+class Progress:
+    """Counters saved in every checkpoint."""
+
+    step: int = 0        # optimizer steps taken
+    position: int = 0    # examples drawn from the sampler (global position across epochs)
+    tokens: int = 0      # target tokens trained on
+    segment: int = 0     # 0 for the first start, +1 at every resume
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"progress": asdict(self)}
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        for key, value in entries["progress"].items():  # in place: the loop holds this object
+            setattr(self, key, value)
+
+
+class Entries(Mapping):
+    """A checkpoint's entries as holders read them: files by name, state.json keys by key."""
+
+    def __init__(self, files: Mapping[str, Any], state: dict[str, Any]):
+        self.files, self.state = files, state
+
+    def __getitem__(self, key: str) -> Any:
+        return self.files[key] if "." in key else self.state[key]
+
+    def __iter__(self):
+        yield from self.files
+        yield from self.state
+
+    def __len__(self) -> int:
+        return len(self.files) + len(self.state)
+
+
+def split_entries(entries: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(files, state.json contents) of what the holders returned."""
+    files = {name: value for name, value in entries.items() if "." in name}
+    return files, {key: value for key, value in entries.items() if "." not in key}
+
+
+def weights_file(method) -> str:
+    return "adapter_model.safetensors" if method.kind == "lora" else "model.safetensors"
+
+
+class Weights:
+    """The trainable weights: the LoRA adapter (peft layout) or the full model."""
+
+    def __init__(self, model, method):
+        self.model, self.method = model, method
+
+    def state_dict(self) -> dict[str, Any]:
+        from ..model import adapter_files
+
+        return adapter_files(self.model, self.method)
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        from safetensors.torch import load as load_tensors
+
+        from ..model import load_trainable_state
+
+        load_trainable_state(self.model, self.method, load_tensors(entries[weights_file(self.method)]))
+
+
+class Optimizer:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from .optim import optimizer_files
+
+        return optimizer_files(self.optimizer)
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        from .optim import load_optimizer
+
+        load_optimizer(self.optimizer, entries)
+
+
+class Rng:
+    """Every random generator. Rank 0's go to rng.safetensors and state.json `rng`; with several
+    ranks every other rank's is gathered to rank 0 as rng-rank-N.json (the sync's collective)."""
+
+    def __init__(self, sync):
+        self.sync = sync
+
+    def state_dict(self) -> dict[str, Any]:
+        from safetensors.torch import save as save_tensors
+
+        from ..rng import capture
+        from ..rng import to_json as rng_to_json
+
+        tensors, state = capture()
+        gathered = self.sync.gather_rng(lambda: rng_to_json(tensors, state))
+        ranks = {f"rng-rank-{r}.json": json.dumps(gathered[r], sort_keys=True).encode()
+                 for r in range(1, len(gathered or []))}
+        return {"rng.safetensors": save_tensors(tensors), "rng": state, **ranks}
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        from safetensors.torch import load as load_tensors
+
+        from ..rng import from_json as rng_from_json
+        from ..rng import restore as restore_rng
+
+        if self.sync.rank == 0:
+            restore_rng(load_tensors(entries["rng.safetensors"]), entries["rng"])
+        else:
+            restore_rng(*rng_from_json(json.loads(entries[f"rng-rank-{self.sync.rank}.json"])))
+
+
+class Evals:
+    """Eval results by step (the recorder's), so a resume knows which evals already ran."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"evals": self.recorder.evals}
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        self.recorder.evals = {int(k): v for k, v in entries.get("evals", {}).items()}
+
+
+class GuardHolder:
+    def __init__(self, guard):
+        self.guard = guard
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"guard": self.guard.as_dict()}
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        from .guard import GuardState
+
+        self.guard.state = GuardState(**entries.get("guard", {}))
+
+
+class Scaler:
+    """The fp16 loss scaler's state ({} in other precisions)."""
+
+    def __init__(self, precision):
+        self.precision = precision
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.precision.state()}
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        self.precision.load(entries.get("scaler", {}))
+
+
+class RunFacts:
+    """What the checkpoint was trained on (data, model, numerics): checked on load, not restored.
+    ``drift`` holds the numerics differences found by the latest load."""
+
+    def __init__(self, run_id: str, prepared, fingerprint: dict):
+        self.run_id, self.p, self.fingerprint = run_id, prepared, fingerprint
+        self.drift: list[str] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        p = self.p
+        return {"numerics": self.fingerprint, "total_steps": p.total_steps,
+                "data": {"train_sha256": p.train_file.sha256,
+                         "eval_sha256": p.eval_file.sha256 if p.eval_file else None},
+                "model_sha256": p.source.sha256}
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        from ..ledger import provenance as prov
+
+        p, data = self.p, entries["data"]
+        for key, now in (("train_sha256", p.train_file.sha256),
+                         ("eval_sha256", p.eval_file.sha256 if p.eval_file else None)):
+            if data[key] != now:
+                raise RunStateError(f"run {self.run_id}: the data file changed since the checkpoint "
+                                    f"({key.split('_')[0]}: recorded {data[key]}, now {now}); "
+                                    "restore the original file or start a new run")
+        if entries["model_sha256"] != p.source.sha256:
+            raise RunStateError(f"run {self.run_id}: the model changed since the checkpoint (recorded "
+                                f"{entries['model_sha256']}, now {p.source.sha256})")
+        self.drift = prov.drift(entries["numerics"], self.fingerprint)
+
+
+def state_problems(state: dict, step: int) -> list[str]:
+    """What a checkpoint's state.json lacks for the holders above (which read these keys)."""
+    problems = [f"state.json lacks `{k}`" for k in ("progress", "rng", "numerics", "data", "model_sha256")
+                if k not in state]
+    progress, data, rng = state.get("progress"), state.get("data"), state.get("rng")
+    if isinstance(rng, dict):
+        problems += [f"state.json lacks `rng.{k}`" for k in ("python", "numpy") if k not in rng]
+    elif "rng" in state:
+        problems.append("state.json `rng` is not an object")
+    if isinstance(progress, dict):
+        problems += [f"state.json lacks `progress.{f.name}`" for f in fields(Progress) if f.name not in progress]
+        if "step" in progress and progress["step"] != step:
+            problems.append(f"state.json says step {progress['step']!r}, its folder step {step}")
+    elif "progress" in state:
+        problems.append("state.json `progress` is not an object")
+    if isinstance(data, dict):
+        problems += [f"state.json lacks `data.{k}`" for k in ("train_sha256", "eval_sha256") if k not in data]
+    elif "data" in state:
+        problems.append("state.json `data` is not an object")
+    return problems

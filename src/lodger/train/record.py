@@ -1,0 +1,88 @@
+"""What a training process records: metric lines (metrics.jsonl, then the ledger with each
+checkpoint), step and eval lines on the reporter, and the run's events. Rank 0 records; the other
+ranks' recorders only keep the control's step current."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .. import durable
+
+
+class Recorder:
+    def __init__(self, run_id: str, folder: Path, ledger, control, progress, total_steps: int, log_every: int,
+                 writes: bool):
+        self.run_id, self.dir, self.ledger, self.control = run_id, folder, ledger, control
+        self.progress, self.total_steps, self.log_every, self.writes = progress, total_steps, log_every, writes
+        self.pending: list[dict] = []   # metric records not yet in the ledger (they go with checkpoints)
+        self.evals: dict[int, float] = {}
+        self.eval_seconds = 0.0  # of the latest eval, held time left out
+        self.reporter = None     # set by the run once the log file is open
+
+    def _metrics_append(self, record: dict) -> None:
+        if not self.writes:
+            return
+        with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.pending.append(record)
+
+    def truncate_metrics(self, step: int) -> int:
+        """Drop metric lines after ``step``: that work was lost with the process and is done again.
+
+        Returns the last step the previous process had reached (where it was interrupted)."""
+        path = self.dir / "metrics.jsonl"
+        reached = step
+        if path.exists():
+            records = []
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue  # a line torn by the crash (metrics are not fsynced); its step is redone
+            reached = max([step] + [r["step"] for r in records])
+            kept = [json.dumps(r) + "\n" for r in records if r["step"] <= step]
+            durable.atomic_write(path, "".join(kept).encode())
+        self.ledger.truncate_metrics(self.run_id, step)  # a `metrics_truncated` event says so
+        durable.fault_point("after_metrics_truncate")
+        return reached
+
+    def step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
+             skipped: bool, samples: list[int] | None, held: float = 0.0) -> None:
+        """``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart)."""
+        step = self.progress.step
+        self.control.step = step
+        if not self.writes:
+            return
+        record = {"kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                  "tokens": tokens, "seconds": seconds, "time": time.time(), "segment": self.progress.segment}
+        if held:
+            record["held_seconds"] = held
+        if skipped:
+            record["skipped"] = True
+            self.ledger.event(self.run_id, "warning", step=step, reason="non-finite loss or gradient norm; "
+                              "optimizer step skipped", sample_lines=samples)
+        self._metrics_append(record)
+        self.control.step = step
+        every = self.log_every
+        self.reporter.step(step, self.total_steps, loss, grad_norm, lr, tokens, seconds, held=held,
+                           show=step % every == 0 or step == self.total_steps or step == 1)
+
+    def spike(self, step: int, loss: float, zscore: float) -> None:
+        if self.writes:
+            self.ledger.event(self.run_id, "loss_spike", step=step, loss=loss, zscore=round(zscore, 2))
+
+    def has_eval_at(self, step: int) -> bool:
+        return step in self.evals
+
+    def eval(self, step: int, loss: float | None) -> None:
+        if loss is None:
+            return
+        self.evals[step] = loss
+        self._metrics_append({"kind": "eval", "step": step, "eval_loss": loss, "time": time.time(),
+                              "segment": self.progress.segment})
+        self.reporter.eval_finished(step, loss, self.eval_seconds)
+
+    def message(self, text: str) -> None:
+        self.reporter.message(text)

@@ -1,0 +1,155 @@
+"""The live state of one process training one run: the model, optimizer, precision, guard,
+sampler and counters, and the collaborators the loop calls (a synchroniser, a recorder, a
+checkpointer) built around them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import durable, faults
+from ..checkpoint import CheckpointStore
+from ..config import JobConfig, job_hash
+from ..control import Control
+from ..data import DataFile, Sampler, TokenizedSet
+from ..distributed import Ranks
+from ..home import run_dir
+from ..ledger import provenance as prov
+from ..model import ModelSource
+from . import holders
+from .checkpointer import Checkpointer
+from .determinism import configure_determinism
+from .holders import Progress
+from .limits import LimitWatch, apply_limits
+from .record import Recorder
+from .sync import DataParallelSync, LocalSync
+
+__all__ = ["Prepared", "Progress", "Session"]
+
+
+@dataclass
+class Prepared:
+    """Everything validated before a run folder exists."""
+
+    job: JobConfig
+    source: ModelSource
+    folder: Path
+    tokenizer: Any
+    tokenizer_sha: str
+    train_file: DataFile
+    eval_file: DataFile | None
+    train_set: TokenizedSet
+    eval_set: TokenizedSet | None
+    train_indices: list[int]
+    eval_indices: list[int]
+    total_steps: int
+    device: str = "cpu"
+
+
+def make_sync(control, limits, job, ranks: Ranks):
+    """The way of training: one process, or data parallel (a federated mode would be chosen here)."""
+    every = job.checkpoints.every_seconds
+    if ranks.world_size == 1:
+        return LocalSync(control, limits, every)
+    return DataParallelSync(control, limits, every, ranks.rank, ranks.world_size)
+
+
+class Session:
+    """The live state of one process training one run. Rank 0 is the run (ledger, metrics, log,
+    checkpoints); other ranks have no ledger and write nothing."""
+
+    def __init__(self, run_id: str, prepared: Prepared, ledger, quiet: bool = False,
+                 control: Control | None = None, ranks: Ranks = Ranks()):
+        import torch
+
+        from ..model import attach_method, load_base_model
+        from ..rng import seed_everything
+        from .guard import Guard
+        from .optim import build_optimizer
+        from .precision import Precision
+
+        self.run_id, self.p, self.ledger, self.quiet = run_id, prepared, ledger, quiet
+        self.job = job = prepared.job
+        self.dir = run_dir(run_id)
+        self.rank, self.world_size = ranks.rank, ranks.world_size
+        self.control = control or Control(self.dir)
+        self.device = prepared.device
+        self.applied_limits = apply_limits(job.limits)
+        torch.set_num_threads(job.training.threads)
+        configure_determinism(self.device)
+        seed_everything(job.training.seed)
+        base = load_base_model(prepared.folder)
+        if job.training.gradient_checkpointing:
+            # non-reentrant checkpointing restores the RNG for the recomputation, so dropout stays exact
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            base.enable_input_require_grads()
+        self.model = attach_method(base, job.method, job.training.seed).to(self.device)
+        if self.rank > 0:  # same weights on every rank (seeded above); then its own dropout stream
+            from ..distributed import rank_seed
+
+            seed_everything(rank_seed(job.training.seed, self.rank))
+        self.precision = Precision(job.training.precision, self.device)
+        self.guard = Guard(job.guard)
+        self.poisoned = faults.poisoned_lines()  # test-only fault injection (faults.py)
+        self.optimizer = build_optimizer([q for q in self.model.parameters() if q.requires_grad], job.training)
+        self.meter = prov.ComputeMeter()
+        self.fingerprint = prov.numerics_fingerprint(self.device)
+        self.limits = LimitWatch(job, self.device, self.dir, self.control, self.meter)
+        self.sync = make_sync(self.control, self.limits, job, ranks)
+        checkpoints, keep = self.dir / "checkpoints", job.checkpoints.keep_last
+        store = CheckpointStore(checkpoints, keep, self.world_size) if self.rank == 0 else None
+        self.sync.barrier()  # rank 0 has created the checkpoints folder; the others may not race it
+        self.store = store or CheckpointStore(checkpoints, keep, self.world_size)
+        self.train_set, self.eval_set = prepared.train_set, prepared.eval_set
+        self.eval_indices = prepared.eval_indices
+        self.sampler = Sampler(prepared.train_indices, job.training.seed)
+        self.total_steps = prepared.total_steps
+        self.pad_id = prepared.tokenizer.pad_token_id
+        self.progress = Progress()
+        self.recorder = Recorder(run_id, self.dir, ledger, self.control, self.progress, self.total_steps,
+                                 job.training.log_every, writes=self.sync.writes)
+        facts = holders.RunFacts(run_id, prepared, self.fingerprint)
+        state = {"facts": facts, "weights": holders.Weights(self.model, job.method),
+                 "optimizer": holders.Optimizer(self.optimizer), "rng": holders.Rng(self.sync),
+                 "progress": self.progress, "evals": holders.Evals(self.recorder),
+                 "guard": holders.GuardHolder(self.guard), "scaler": holders.Scaler(self.precision)}
+        self.checkpointer = Checkpointer(run_id, self.store, state, facts, self.sync, self.recorder, ledger,
+                                         self.meter, job.method)
+
+    def write_adapter(self) -> Path:
+        """The final trainable weights in their own folder (peft layout for LoRA), atomically."""
+        from ..model import adapter_files
+
+        final = self.dir / "adapter"
+        durable.write_folder(final, adapter_files(self.model, self.job.method), tmp_prefix=".adapter-tmp-", replace=True)
+        return final
+
+    def provenance(self) -> dict:
+        p = self.p
+        data = {"train": {"path": str(p.train_file.path), "sha256": p.train_file.sha256, "bytes": p.train_file.size,
+                          "lines": len(p.train_file.rows)}}
+        if p.eval_file is not None:
+            data["eval"] = {"path": str(p.eval_file.path), "sha256": p.eval_file.sha256,
+                            "bytes": p.eval_file.size, "lines": len(p.eval_file.rows)}
+        eval_id = hashlib.sha256(json.dumps([p.eval_file.sha256 if p.eval_file else p.train_file.sha256,
+                                             p.eval_indices]).encode()).hexdigest()
+        data["eval_set_sha256"] = eval_id
+        data["train_examples"], data["eval_examples"] = len(p.train_indices), len(p.eval_indices)
+        for use in self.job.data_uses():  # registered dataset (name, license, owner) or not
+            if use.role in data:
+                data[use.role].update(use.provenance())
+        model = {"source": p.source.spec, "kind": p.source.kind, "path": str(p.source.path),
+                 "sha256": p.source.sha256, "tokenizer_sha256": p.tokenizer_sha, **p.source.provenance()}
+        if getattr(self.job.method, "init_adapter", None) is not None:
+            from ..model import adapter_hash
+
+            model["init_adapter"] = {"path": str(self.job.method.init_adapter),
+                                     "sha256": adapter_hash(self.job.method.init_adapter)}
+        return prov.capture(job=self.job.resolved_dict(), job_hash=job_hash(self.job),
+                            job_dir=Path(os.getcwd()), model=model, data=data,
+                            seeds={"seed": self.job.training.seed}, device=self.device,
+                            segment=self.progress.segment)

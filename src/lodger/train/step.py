@@ -1,0 +1,78 @@
+"""One training step's pieces, shared by the loop and the memory estimator (which measures by
+calling them): the loss, a micro-step (forward and backward), the optimizer update, and the yield
+points that let hold and release in during a step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross entropy over positions with a label, and how many there were.
+
+    The labels move left instead of the logits (the last position predicts nothing): slicing the
+    logits would copy them, the largest tensor of the step (batch x length x vocabulary)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+    return loss, int((labels != -100).sum())
+
+
+def install_yield_points(model: torch.nn.Module, control) -> int:
+    """Let hold and release requests in at every transformer layer, forward and backward.
+
+    A forward pre-hook checks before each layer runs; a hook on the layer's output tensor checks
+    when autograd reaches that layer on the way back (on CPU autograd runs those hooks in this
+    thread, so a SIGUSR1 that arrived mid-step is seen there too). Both cost one attribute read
+    while nothing is asked. Installed once per model (a rollback re-enters the loop); returns
+    the number of layers hooked."""
+    if getattr(model, "_lodger_yield_points", None) is control:
+        return 0
+    model._lodger_yield_points = control
+    layers = [m for name, m in model.named_modules()
+              if isinstance(m, torch.nn.ModuleList) and name.split(".")[-1] in ("layers", "h", "blocks")]
+    hooked = 0
+    for layer_list in layers:
+        for layer in layer_list:
+            layer.register_forward_pre_hook(lambda module, args: control.yield_point())
+            layer.register_forward_hook(lambda module, args, output: _hook_backward(output, control))
+            hooked += 1
+    return hooked
+
+
+def _hook_backward(output, control) -> None:
+    tensor = output[0] if isinstance(output, (tuple, list)) else output
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        tensor.register_hook(control.yield_point)  # returns None: the gradient is left as it is
+
+
+def micro_step(model, batch: dict[str, torch.Tensor], precision, device: str, step_tokens: int,
+               factor: float = 1.0) -> torch.Tensor:
+    """Forward and backward of one micro-batch, its loss normalised over the whole step's target
+    tokens (``factor``: test-only fault injection, see faults.py); returns the detached loss."""
+    with precision.autocast():
+        loss, _ = token_loss_sum(model, {k: v.to(device) for k, v in batch.items()})
+    loss = loss / step_tokens
+    if factor != 1.0:
+        loss = loss * factor
+    precision.backward(loss)
+    return loss.detach()
+
+
+def optimizer_step(params, optimizer, precision, max_norm: float, loss_sum: torch.Tensor):
+    """Clip, check finite, update (or skip); return (loss, grad norm, finite, fp16 overflow)."""
+    precision.unscale(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    loss_value, norm_value = loss_sum.item(), grad_norm.item()  # one device sync per step
+    overflow = precision.scaler is not None and math.isfinite(loss_value) and not math.isfinite(norm_value)
+    finite = (math.isfinite(loss_value) and math.isfinite(norm_value)) or overflow
+    if finite:
+        precision.step(optimizer)  # with fp16 loss scaling an overflow skips inside and lowers the scale
+    else:
+        precision.skip()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_value, norm_value, finite, overflow
