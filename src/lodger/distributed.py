@@ -5,7 +5,8 @@ replaces itself (exec) with ``python -m torch.distributed.run --standalone --npr
 lodger.cli.main _worker RUN``; each rank runs the same code (run.py and train/, with
 train/sync.py's DataParallelSync). Rank 0 is the run as far as everyone else can tell: it holds
 the run lock (so `lodger pause` signals it), writes the ledger, metrics, log and checkpoints.
-Other ranks are quiet. torchrun tears every rank down when one dies, so a SIGKILL anywhere leaves what a SIGKILL of a single process leaves: a resumable run.
+Other ranks are quiet. torchrun tears every rank down when one dies, so a SIGKILL anywhere leaves
+what a SIGKILL of a single process leaves: a resumable run.
 
 world_size = 1 never imports torch.distributed.
 

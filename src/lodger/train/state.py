@@ -125,7 +125,8 @@ class Session:
         from ..model import adapter_files
 
         final = self.dir / "adapter"
-        durable.write_folder(final, adapter_files(self.model, self.job.method), tmp_prefix=".adapter-tmp-", replace=True)
+        durable.write_folder(final, adapter_files(self.model, self.job.method), tmp_prefix=".adapter-tmp-",
+                             replace=True)
         return final
 
     def provenance(self) -> dict:
