@@ -3,8 +3,8 @@
 [limits] (priority, memory ceiling, CPU hours) apply to every run; the [remote] limits are
 enforced by the remote job itself: the cluster is not ours to watch, so the training process
 checks its own wall time, GPU hours and cost at every micro-step and, at a limit, commits a
-checkpoint and stops (the same path as [limits] max_compute_hours: a "limit" release request, exit 3). Wall time counts every segment
-of the run, so a resumed job does not get a fresh allowance.
+checkpoint and stops (the same path as [limits] max_compute_hours: a "limit" release request,
+exit 3). Wall time counts every segment of the run, so a resumed job gets no fresh allowance.
 """
 
 from __future__ import annotations
