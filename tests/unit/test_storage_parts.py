@@ -68,3 +68,17 @@ def test_a_manifest_whose_step_differs_from_its_folder_is_not_a_checkpoint(tmp_p
     with pytest.raises(CheckpointError, match="says step 5"):
         storage.read_manifest(remote, "ck/step-00000002")
     json.loads(remote.read_bytes("ck/step-00000002/MANIFEST.json"))  # committed, only not valid
+
+
+def test_a_symlinked_file_in_a_local_checkpoint_is_never_listed_or_read(tmp_path):
+    remote = Storage.open(str(tmp_path / "store"))
+    files = {"a.bin": b"1" * 10}
+    remote.commit_folder("ck/step-00000001", files, storage.build_manifest(files, step=1))
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"2" * 10)  # same size as the file it replaces
+    target = tmp_path / "store" / "ck" / "step-00000001" / "a.bin"
+    target.unlink()
+    target.symlink_to(outside)
+    assert storage.list_checkpoints(remote, "ck") == []
+    with pytest.raises(StorageError, match="cannot read"):
+        remote.read_bytes("ck/step-00000001/a.bin")

@@ -91,11 +91,30 @@ class EventLog:
             seqs.append(int(match.group(1)))
         return sorted(seqs)
 
+    def _check_seen(self, seq: int, expected_hash: str) -> None:
+        """The newest record this machine took must still be there unchanged: a log rewritten
+        from an earlier point is a fork even before anything new follows it."""
+        where = f"{self.storage.uri}/{self.key(seq)}"
+        try:
+            record = json.loads(self.storage.read_bytes(self.key(seq)))
+            held = record["hash"]
+        except FileNotFoundError:
+            raise ChainError(f"{where}: record {seq}, already taken here, is gone from the log (a gap); "
+                             "nothing more is taken from it") from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ChainError(f"{where}: record {seq} is unreadable ({exc!r})") from None
+        if held != expected_hash:
+            raise ChainError(f"{where}: record {seq} is not the one taken here (hash {str(held)[:12]}..., "
+                             f"recorded {expected_hash[:12]}...): the log forked or was rewritten; nothing "
+                             "more is taken from it")
+
     def read_new(self, since_seq: int, expected_prev_hash: str) -> list[dict]:
         """The records after ``since_seq``, verified to continue ``expected_prev_hash`` (the hash of
         record ``since_seq`` as this machine recorded it, or the anchor for 0). ChainError names
         the sequence number of the first gap, edit or fork."""
         seqs = [s for s in self._seqs() if s > since_seq]
+        if since_seq > 0:
+            self._check_seen(since_seq, expected_prev_hash)
         out, prev = [], expected_prev_hash
         for want, seq in enumerate(seqs, start=since_seq + 1):
             if seq != want:

@@ -117,7 +117,12 @@ class Storage:
         """The object's bytes; FileNotFoundError when it is not there (a local symlink is refused)."""
         path = self.path(key)
         if self.local:
-            return _read_regular(Path(path))
+            try:
+                return _read_regular(Path(path))
+            except FileNotFoundError:
+                raise
+            except OSError as exc:  # a symlink (ELOOP), a permission problem
+                raise self._fail(key, "read", exc) from None
         try:
             return self.fs.cat_file(path)
         except FileNotFoundError:
@@ -225,7 +230,8 @@ class Storage:
             try:
                 durable.write_folder(target, {**files, MANIFEST: body})  # dicts keep order: manifest last
             except FileExistsError:
-                raise StorageError(f"{self.uri}: {key!r} already exists; a committed folder is never rewritten") from None
+                raise StorageError(f"{self.uri}: {key!r} already exists; a committed folder is never "
+                                   "rewritten") from None
             return
         if self.exists(f"{key}/{MANIFEST}"):
             raise StorageError(f"{self.uri}: {key!r} already exists; a committed folder is never rewritten")
