@@ -220,3 +220,17 @@ def test_s3_credentials_come_from_a_named_profile_and_are_never_stored(s3_bucket
                         and secret.encode() not in client.get_object(Bucket=bucket, Key=k)["Body"].read()
                         for k in keys)
     assert secret not in repr(remote) and secret not in remote.uri
+
+
+def test_files_stream_up_and_down_unchanged(uri, tmp_path):
+    remote = Storage.open(uri)
+    source = tmp_path / "model.safetensors"
+    source.write_bytes(os.urandom(3 * 1024 * 1024 + 17))
+    remote.put_file(source, "run/model/model.safetensors")
+    assert remote.size("run/model/model.safetensors") == source.stat().st_size
+    back = tmp_path / "back.safetensors"
+    remote.get_file("run/model/model.safetensors", back)
+    assert back.read_bytes() == source.read_bytes()
+    with pytest.raises(FileNotFoundError):
+        remote.get_file("run/model/absent", tmp_path / "absent")
+    assert not (tmp_path / "absent").exists()

@@ -37,6 +37,7 @@ from ..errors import CheckpointError, LodgerError
 # module needs neither torch nor the checkpoint writer, which is being reshaped.
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_CHUNK = 8 << 20  # streamed copies hold at most this much of a file in memory
 
 
 class StorageError(LodgerError):
@@ -157,6 +158,45 @@ class Storage:
             if exclusive and "PreconditionFailed" in repr(exc):
                 raise FileExistsError(path) from None
             raise self._fail(key, "write", exc) from None
+
+    def put_file(self, local: Path, key: str) -> None:
+        """Upload a local file (a model shard, a data file) without holding it in memory; atomic
+        like ``write_bytes`` (a multipart upload appears only when complete)."""
+        local = Path(local)
+        if self.local:
+            target = Path(self.path(key))
+            _makedirs(target.parent)
+            tmp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
+            with open(local, "rb") as fh:
+                durable.write_file(tmp, iter(lambda: fh.read(_CHUNK), b""))
+            durable.rename(tmp, target)
+            durable.fsync_dir(target.parent)
+            return
+        try:
+            self.fs.put_file(str(local), self.path(key))
+        except OSError as exc:
+            raise self._fail(key, "upload to", exc) from None
+
+    def get_file(self, key: str, local: Path) -> None:
+        """Download an object into ``local`` (fsynced, renamed into place) without holding it in
+        memory; FileNotFoundError when it is not there (a local symlink is refused)."""
+        local = Path(local)
+        tmp = local.with_name(f".{local.name}.tmp-{secrets.token_hex(4)}")
+        try:
+            if self.local:
+                fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW)
+                source = os.fdopen(fd, "rb")
+            else:
+                source = self.fs.open(self.path(key), "rb")
+            with source:
+                durable.write_file(tmp, iter(lambda: source.read(_CHUNK), b""))
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._fail(key, "download", exc) from None
+        durable.rename(tmp, local)
+        durable.fsync_dir(local.parent)
 
     def exists(self, key: str) -> bool:
         self.fs.invalidate_cache()
