@@ -160,15 +160,14 @@ def test_block_causal_mask_lets_each_token_see_only_its_example_so_far() -> None
 # -- the model ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def chats(tiny_model_dir: Path, tmp_path_factory) -> TokenizedSet:
-    import os
-
+def chats(tiny_model_dir: Path, tmp_path_factory):
     from fixtures_lib import write_chat_jsonl
 
     folder = tmp_path_factory.mktemp("packing")
-    os.environ["LODGER_HOME"] = str(folder / "home")  # the token cache; module-scoped, outside the autouse home
-    data = read_jsonl(write_chat_jsonl(folder / "chats.jsonl", 12, seed=3))
-    return tokenize(data, load_tokenizer(tiny_model_dir), "tiny", 128)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LODGER_HOME", str(folder / "home"))  # the token cache, for this module only
+        data = read_jsonl(write_chat_jsonl(folder / "chats.jsonl", 12, seed=3))
+        yield tokenize(data, load_tokenizer(tiny_model_dir), "tiny", 128)
 
 
 def three_of_different_lengths(data: TokenizedSet) -> list[int]:
