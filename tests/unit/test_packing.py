@@ -251,3 +251,32 @@ def test_a_packed_step_has_the_loss_and_gradients_of_the_padded_step(tiny_model_
     assert packed_loss == pytest.approx(padded, rel=1e-5)
     for a, b in zip(g_padded, g_packed):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_two_ranks_shares_of_a_packed_step_sum_to_the_single_process_gradient(tiny_model_dir, chats):
+    """What the all-reduce adds up: each rank's packs, normalised by the whole step's targets."""
+    model = load_base_model(tiny_model_dir)
+    lengths = example_lengths(chats)
+    plan = Packer(Sampler(list(range(len(chats))), 4), lengths, rows=2, row_tokens=max(lengths) + 30,
+                  packs_per_step=4).step(3)
+    targets = chats.target_tokens(plan.indices())
+
+    def gradients(packs) -> list[torch.Tensor]:
+        model.zero_grad()
+        for pack in packs:
+            loss, _ = token_loss(model, collate_packed(chats, pack, 2).tensors)
+            (loss / targets).backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    single = gradients(plan.share(0, 1))
+    summed = [a + b for a, b in zip(gradients(plan.share(0, 2)), gradients(plan.share(1, 2)))]
+    for a, b in zip(single, summed):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_attention_reads_packing_from_position_ids_on_cuda(tiny_model_dir, impl):
+    model = load_base_model(tiny_model_dir).to("cuda")
+    model.set_attn_implementation(impl)
+    assert attention_mode(model) == "position_ids"
