@@ -12,10 +12,11 @@ a limit) or ``interrupted`` (Ctrl-C, SIGTERM: the run commits a checkpoint befor
 work is lost). It ends unplanned when the next thing the run records is another ``started`` /
 ``resumed`` (the process died without a word: kill -9, the OOM killer, a power cut, a reboot), or
 a ``failed`` (an exception ended the process, e.g. out of memory; except ``TrainingDiverged``,
-which is the guard deciding, not bad luck), or ``crashed``. The time at risk is each segment from
-its opening event to its last event (for a process that died, its last sign of life: the death
+which is the guard deciding, not bad luck). The time at risk is each segment from its opening
+event to its end (for a process that died, its last sign of life, ``SIGNS_OF_LIFE``: the death
 itself is unrecorded, so this is a lower bound). Remote runs record their segments as
-``remote_event`` and so do not count: they ran on another machine.
+``remote_event`` (and a lost one as ``remote_job_ended``) and so do not count: they ran on
+another machine.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ from typing import Collection, Iterable
 
 OPENS = ("started", "resumed")
 CLEAN_ENDS = ("finished", "paused", "interrupted")
-LOST_ENDS = ("failed", "crashed")
+LOST_ENDS = ("failed",)
+SIGNS_OF_LIFE = ("checkpoint", "held", "continued", "warning", "loss_spike", "rollback", "checkpoint_interval")
+"""Events only the training process writes, while it trains. Not: requests from other processes
+(``pause_requested``...), nor what the next process writes at resume before its ``resumed``
+(a ``checkpoint`` marked ``recovered``, ``provenance``, ``metrics``, ``drift``)."""
 NOT_BAD_LUCK = ("TrainingDiverged",)  # a failure the run chose: no random interruption
 
 PRIOR_INTERRUPTIONS = 1.0
@@ -72,10 +77,12 @@ def interruption_history(events: Iterable[dict], crashed_runs: Collection[str] =
                 at_risk += last_seen[run] - open_at[run]
             open_at[run] = last_seen[run] = at
         elif run in open_at:
-            last_seen[run] = at
+            data = event.get("data") or {}
+            if kind in SIGNS_OF_LIFE and not data.get("recovered"):
+                last_seen[run] = at
             if kind in CLEAN_ENDS or kind in LOST_ENDS:
                 at_risk += at - open_at.pop(run)
-                error = str((event.get("data") or {}).get("error", ""))
+                error = str(data.get("error", ""))
                 if kind in LOST_ENDS and not error.startswith(NOT_BAD_LUCK):
                     interruptions += 1
     for run, since in open_at.items():

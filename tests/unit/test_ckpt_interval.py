@@ -57,13 +57,16 @@ def test_expected_loss_is_half_a_cycle_and_the_poisson_mean_slightly_less() -> N
 def test_history_counts_only_segments_that_ended_without_a_clean_exit() -> None:
     events = [
         ev("a", "created", 0), ev("a", "started", 10), ev("a", "checkpoint", 50, step=5, seconds=2.0),
+        ev("a", "pause_requested", 300, by="user"),                 # another process asking: no sign of life
+        ev("a", "checkpoint", 490, step=6, recovered=True),         # the next process, completing the ledger
+        ev("a", "provenance", 495, segment=1),
         ev("a", "resumed", 500),              # a's first process died after its checkpoint at t=50
         ev("a", "held", 520), ev("a", "interrupted", 600),          # clean: Ctrl-C commits first
         ev("a", "resumed", 1000), ev("a", "paused", 1100),          # clean: a release
         ev("b", "started", 2000), ev("b", "failed", 2300, error="RuntimeError: out of memory"),
         ev("c", "started", 3000), ev("c", "failed", 3100, error="TrainingDiverged: stopped: ..."),
         ev("d", "failed", 3200, error="OSError: no model"),          # failed while loading: no segment
-        ev("e", "remote_event", 3300, remote_kind="started"), ev("e", "crashed", 3400),  # another machine
+        ev("e", "remote_event", 3300, remote_kind="started"), ev("e", "remote_job_ended", 3400, status="crashed"),
         ev(None, "agent_started", 3500),
         ev("f", "started", 4000), ev("f", "checkpoint", 4100), ev("f", "finished", 4200),
         ev("g", "started", 5000), ev("g", "checkpoint", 5060),       # still open (running, or dead)
