@@ -70,7 +70,8 @@ def summary(name: str, lengths: list[int], max_length: int, batch: int) -> str:
     q = statistics.quantiles(lengths, n=20)
     batches = [lengths[k:k + batch] for k in range(0, len(lengths), batch)]
     padded = sum(len(b) * max(b) for b in batches)
-    return (f"# {name}: {len(lengths)} chats, min {min(lengths)}, p5 {q[0]:.0f}, median {statistics.median(lengths):.0f}, "
+    return (f"# {name}: {len(lengths)} chats, min {min(lengths)}, p5 {q[0]:.0f}, "
+            f"median {statistics.median(lengths):.0f}, "
             f"p95 {q[-1]:.0f}, max {max(lengths)} (limit {max_length}); padding share of batches of {batch} "
             f"in file order padded to their longest: {1 - sum(lengths) / padded:.2f}")
 
