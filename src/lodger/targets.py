@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator
 
@@ -20,8 +19,9 @@ from .home import home
 class Target(_Section):
     """One remote target and the caps its owner set on it."""
 
-    kind: Literal["ray"] = "ray"
-    """The engine there: a Ray cluster reached through its job submission API."""
+    kind: str = "ray"
+    """The engine there, one of the backend kinds in remote/backend.py: `ray`, a Ray cluster
+    reached through its job submission API."""
     address: str
     """The Ray dashboard address, e.g. http://127.0.0.1:8265."""
     storage: str
@@ -50,6 +50,13 @@ class Target(_Section):
     """Sustained matmul TFLOP/s one training process reaches there (one GPU, or a node's CPUs),
     for the time estimate. Left out: `submit` says the time there is unknown (this machine's rate
     says nothing about another machine's)."""
+
+    @field_validator("kind")
+    @classmethod
+    def _a_known_backend(cls, value: str) -> str:
+        from .remote.backend import check_kind  # the registry of kinds: no engine imported
+
+        return check_kind(value)
 
     @field_validator("address")
     @classmethod
