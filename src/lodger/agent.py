@@ -126,7 +126,7 @@ class Agent:
 
     def __init__(self, ledger: Ledger, interval: float = 1.0, max_concurrent: int | None = None,
                  backoff: Backoff | None = None):
-        from .config import user_defaults
+        from .jobfile import user_defaults
 
         settings = user_defaults().get("agent", {})
         self.ledger = ledger

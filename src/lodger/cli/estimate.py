@@ -59,7 +59,7 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     Example: lodger estimate my-job.toml --measure
     """
     from .. import memory
-    from ..config import load_job
+    from ..jobfile import load_job
     from ..session import prepare
 
     cfg = load_job(job)

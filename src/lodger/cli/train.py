@@ -28,7 +28,7 @@ def init(file: Path, force: bool, remote: bool) -> None:
     """
     from importlib import resources
 
-    from ..config import example_job
+    from ..jobfile import example_job
 
     if file.exists() and not force:
         raise JobFileError(f"{file} already exists; pick another name or pass --force to overwrite it")
@@ -63,7 +63,7 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     Example: lodger run my-job.toml
              lodger run my-job.toml --detach
     """
-    from ..config import load_job
+    from ..jobfile import load_job
     from ..session import create_run, execute
 
     started = time.monotonic()
@@ -148,7 +148,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
-    from ..config import load_job
+    from ..jobfile import load_job
     from ..control import ask, clear_request, read_requests, run_state
     from ..home import run_dir
     from ..session import JOB_FILE
