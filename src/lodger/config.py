@@ -8,8 +8,6 @@ imports nothing of lodger but errors, so anything may read a job's shape.
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 import math
 import tomllib
 from pathlib import Path
@@ -347,18 +345,20 @@ USER_ONLY_SECTIONS = {"datasets": DatasetPolicyConfig, "agent": AgentSettings}
 """Sections of config.toml that are the user's own settings, not job defaults."""
 
 
-def job_hash(job: JobConfig) -> str:
-    """The job's identity: the hash of its resolved table (every default filled in), as a run
-    and a remote submission record it."""
-    return hashlib.sha256(json.dumps(job.resolved_dict(), sort_keys=True).encode()).hexdigest()
-
-
 def total_steps(job: JobConfig, n_train: int) -> int:
     """Optimizer steps the job will take, from `steps` or from `epochs` over ``n_train`` examples."""
     if job.training.steps is not None:
         return job.training.steps
     per_step = job.training.batch_size * job.training.grad_accum * job.training.world_size  # all ranks' examples
     return max(1, math.ceil(job.training.epochs * n_train / per_step))
+
+
+def job_hash(job: JobConfig) -> str:
+    """The identity of a job: sha256 of its resolved settings (recorded with every run of it)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(job.resolved_dict(), sort_keys=True).encode()).hexdigest()
 
 
 def toml_value(value: Any) -> str:
