@@ -225,6 +225,10 @@ class JobConfig(Section):
         None), resolved when the job was loaded."""
         return list(self._data_uses)
 
+    def attach_data_uses(self, uses: list) -> None:
+        """Set by the job loader (jobfile.py) once the data files are resolved."""
+        self._data_uses = list(uses)
+
 
 def _fix_for(error: dict[str, Any], model_fields: dict[str, Any]) -> str:
     kind = error["type"]

@@ -57,7 +57,7 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
     data.train = uses["train"].file.path if "train" in uses else (base_dir / data.train).resolve()
     if data.eval is not None:
         data.eval = uses["eval"].file.path if "eval" in uses else (base_dir / data.eval).resolve()
-    job._data_uses = [uses[role] for role in ("train", "eval") if role in uses]
+    job.attach_data_uses([uses[role] for role in ("train", "eval") if role in uses])
     source_path = Path(job.model.source).expanduser()
     if not source_path.is_absolute() and (base_dir / source_path).exists():
         job.model.source = str((base_dir / source_path).resolve())
