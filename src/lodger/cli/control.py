@@ -186,7 +186,7 @@ def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None
 
 
 def _job_world_size(run_id: str) -> int:
-    from ..config import load_job
+    from ..jobfile import load_job
     from ..home import run_dir
     from ..session import JOB_FILE
 
