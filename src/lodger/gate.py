@@ -60,9 +60,9 @@ class Plan:
         return sum(f.size for f in self.files)
 
     def job_hash(self) -> str:
-        from .session import _job_hash  # the same identity a local run of this job records
+        from .config import job_hash  # the same identity a local run of this job records
 
-        return _job_hash(self.job)
+        return job_hash(self.job)
 
     def summary(self) -> dict[str, Any]:
         """The plan as JSON-ready data (shown by `submit --json`, recorded with the approval)."""
@@ -86,9 +86,9 @@ def caps(target: Target) -> dict[str, Any]:
 
 
 def _sha256(path: Path) -> str:
-    from .model import _cached_hash  # remembered by (path, size, mtime): a model is hashed once
+    from .model import cached_hash  # remembered by (path, size, mtime): a model is hashed once
 
-    return _cached_hash(path)
+    return cached_hash(path)
 
 
 def file_sha256(path: Path) -> str:

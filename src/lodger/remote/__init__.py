@@ -76,7 +76,8 @@ def submit(plan) -> str:
     from ..config import to_toml
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..session import JOB_FILE, _job_hash, new_run_id
+    from ..config import job_hash
+    from ..session import JOB_FILE, new_run_id
     from .staging import local_python, planned_steps, stage
 
     job, target = plan.job, plan.target
@@ -104,7 +105,7 @@ def submit(plan) -> str:
     with Ledger() as ledger:
         with ledger.transaction():
             ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
-                              job_hash=_job_hash(job), job_toml=to_toml(job.resolved_dict()),
+                              job_hash=job_hash(job), job_toml=to_toml(job.resolved_dict()),
                               total_steps=planned_steps(job), pid=None, managed=True)
             ledger.update_run(run_id, target=plan.target_name, remote=json.dumps(info), remote_job_id=submission_id)
         try:
