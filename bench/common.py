@@ -110,7 +110,7 @@ keep_last = 3
 def warm_caches(job_path: Path) -> dict:
     """Dequantise the model and tokenise the data once (untimed); return what children need."""
     use_bench_home()
-    from lodger.config import load_job
+    from lodger.jobfile import load_job
     from lodger.session import prepare
 
     started = time.perf_counter()

@@ -223,7 +223,7 @@ def measure_hold(run_id: str) -> dict:
 
 def background_foreign_cpu(run_id: str | None = None, samples: int = 4, window: float = 0.5) -> float:
     """Other processes' CPU share now; the benchmark's own run (if it is training) is not foreign."""
-    from lodger.agent import Sampler
+    from lodger.machine import Sampler
     from lodger.home import run_dir
     from lodger.runlock import lock_pid
 

@@ -1,7 +1,8 @@
-"""The job file: typed, documented models filled from TOML.
+"""The job file's typed, documented models, and how a problem in one is described.
 
-Defaults live here and only here. ``load_job`` collects every problem in the file and raises
-one ``JobFileError`` that names each key, the bad value, the reason and the fix.
+Defaults live here and only here. Reading a job file (user defaults, registered datasets, one
+``JobFileError`` listing every problem) is jobfile.py, which sits above the ledger; this module
+imports nothing of lodger but errors, so anything may read a job's shape.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ import difflib
 import math
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationError, model_validator
-from typing import Annotated
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, Strict, model_validator
 
 from .errors import JobFileError
 
@@ -23,11 +23,11 @@ Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     source: str = Field("smollm2-135m-instruct", min_length=1)
     """The base model: the alias `smollm2-135m-instruct`, a local Hugging Face folder (config.json +
     safetensors), a .gguf file, or a hub id (`org/name`, `org/name@revision`) already in the local
@@ -36,7 +36,7 @@ class ModelConfig(_Section):
     """For a hub id: the branch, tag or commit of the cached snapshot to use (default `main`)."""
 
 
-class MethodConfig(_Section):
+class MethodConfig(Section):
     kind: Literal["lora", "full"] = "lora"
     """`lora` trains a small adapter (peft); `full` trains every weight of the model."""
     rank: Int = Field(8, ge=1, le=1024)
@@ -53,7 +53,7 @@ class MethodConfig(_Section):
     it (left out here, or equal)."""
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     train: Path
     """Training data: JSONL, one `{"messages": [...]}` chat or `{"text": ...}` per line; a path
     (relative paths are taken from the job file's folder) or `dataset:NAME`, a dataset registered
@@ -67,7 +67,7 @@ class DataConfig(_Section):
     """Tokens per example; longer examples are truncated."""
 
 
-class TrainingConfig(_Section):
+class TrainingConfig(Section):
     steps: Int | None = Field(None, ge=1)
     """Number of optimizer steps. Give either `steps` or `epochs`."""
     epochs: Float | None = Field(None, gt=0)
@@ -117,7 +117,7 @@ class TrainingConfig(_Section):
         return self
 
 
-class GuardConfig(_Section):
+class GuardConfig(Section):
     skip_nonfinite: bool = True
     """Skip the optimizer step (nothing is updated) when the loss or gradient norm is NaN or Inf."""
     max_bad_steps: Int = Field(3, ge=1)
@@ -132,7 +132,7 @@ class GuardConfig(_Section):
     """How many recent steps the spike detector looks at."""
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every_steps: Int = Field(50, ge=0)
     """Commit a checkpoint every this many optimizer steps (0: only by time, on stop and at the end)."""
     every_seconds: Float | None = Field(None, gt=0)
@@ -141,7 +141,7 @@ class CheckpointConfig(_Section):
     """How many committed checkpoints to keep (at least 2, so a damaged newest one has a fallback)."""
 
 
-class PolicyConfig(_Section):
+class PolicyConfig(Section):
     enabled: bool = True
     """Let `lodger agent` pause this run by the rules below (and let `lodger serve` hold it)."""
     max_foreign_cpu: Float | None = Field(0.5, gt=0, le=1)
@@ -164,7 +164,7 @@ class PolicyConfig(_Section):
     """How long after the last inference request the run stays held."""
 
 
-class LimitsConfig(_Section):
+class LimitsConfig(Section):
     nice: Int = Field(10, ge=0, le=19)
     """CPU priority (nice value): higher is kinder to the owner's other work."""
     ionice_idle: bool = True
@@ -177,7 +177,7 @@ class LimitsConfig(_Section):
     """Total CPU hours (over all segments) after which the run checkpoints and stops."""
 
 
-class RemoteConfig(_Section):
+class RemoteConfig(Section):
     """Explicit limits for remote compute. `lodger submit` refuses a job without them; a local run
     ignores them. The remote job enforces them itself: it commits a checkpoint and stops at each."""
 
@@ -191,7 +191,7 @@ class RemoteConfig(_Section):
     """Machines it may use at once."""
 
 
-class JobConfig(_Section):
+class JobConfig(Section):
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     """Output name: the run id starts with it. Letters, digits, `_`, `.`, `-`."""
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -224,6 +224,10 @@ class JobConfig(_Section):
         """The job's data files as ``lodger.datasets.DataUse`` (role, hash, registered dataset or
         None), resolved when the job was loaded."""
         return list(self._data_uses)
+
+    def attach_data_uses(self, uses: list) -> None:
+        """Set by the job loader (jobfile.py) once the data files are resolved."""
+        self._data_uses = list(uses)
 
 
 def _fix_for(error: dict[str, Any], model_fields: dict[str, Any]) -> str:
@@ -261,7 +265,7 @@ def _section_fields(loc: tuple[Any, ...], model: type[BaseModel] | None = None) 
     return model.model_fields
 
 
-def _describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> str:
+def describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> str:
     """One problem as `[section] key = value: reason; fix: ...` (``loc`` starts in ``model``, default the job)."""
     loc = tuple(error["loc"])
     section = ".".join(str(p) for p in loc[:-1])
@@ -284,7 +288,7 @@ def _describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> st
 _SECTION_NEEDS = {"data": 'train = "FILE.jsonl"', "training": "steps = N (or epochs = N)"}
 
 
-def _cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
+def cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
     """Problems pydantic would report only once every field is valid; checked on the raw table so
     they are listed together with everything else."""
     problems = []
@@ -297,7 +301,7 @@ def _cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
     for key in ("train", "eval"):
         if isinstance(data.get(key), str) and data[key].startswith(DATASET_PREFIX):
-            continue  # resolved through the registry (_resolve_data)
+            continue  # resolved through the registry (jobfile.py)
         if isinstance(data.get(key), str) and not (base_dir / data[key]).is_file():
             problems.append(f"[data] {key} = {data[key]!r}: file not found at {(base_dir / data[key]).resolve()}; "
                             "fix the path (relative paths start at the job file's folder)")
@@ -307,61 +311,7 @@ def _cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
 DATASET_PREFIX = "dataset:"
 
 
-def _resolve_data(raw: dict[str, Any], base_dir: Path, unregistered: str) -> tuple[dict[str, Any], list[str]]:
-    """Each data file that exists (or names a dataset) against the registry: {role: DataUse}, problems."""
-    from .datasets import list_datasets, resolve
-
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
-    wanted = {k: v for k, v in data.items() if k in ("train", "eval") and isinstance(v, str)
-              and (v.startswith(DATASET_PREFIX) or (base_dir / v).is_file())}
-    if not wanted:
-        return {}, []
-    registry = list_datasets()
-    uses, problems = {}, []
-    for role, reference in wanted.items():
-        use, found = resolve(role, reference, base_dir, unregistered=unregistered, registry=registry)
-        problems += found
-        if use is not None:
-            uses[role] = use
-    return uses, problems
-
-
-def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered: str = "warn") -> JobConfig:
-    """Validate an already parsed TOML table; relative data paths are resolved from ``base_dir``,
-    `dataset:NAME` through the registry (``unregistered``: "warn" or "strict", the user's policy
-    for data files that are not registered datasets)."""
-    problems = _cross_checks(raw, base_dir)
-    uses, data_problems = _resolve_data(raw, base_dir, unregistered)
-    problems += data_problems
-    try:
-        job = JobConfig.model_validate(raw)
-    except ValidationError as exc:
-        problems += [p for p in map(_describe, exc.errors())  # _cross_checks named steps/epochs by key
-                     if "`steps` or `epochs`" not in p and "give `steps = N`" not in p]
-    if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}") from None
-    data = job.data
-    data.train = uses["train"].file.path if "train" in uses else (base_dir / data.train).resolve()
-    if data.eval is not None:
-        data.eval = uses["eval"].file.path if "eval" in uses else (base_dir / data.eval).resolve()
-    job._data_uses = [uses[role] for role in ("train", "eval") if role in uses]
-    source_path = Path(job.model.source).expanduser()
-    if not source_path.is_absolute() and (base_dir / source_path).exists():
-        job.model.source = str((base_dir / source_path).resolve())
-    elif job.model.revision and "@" not in job.model.source and "/" in job.model.source:
-        job.model.source = f"{job.model.source}@{job.model.revision}"  # every reader of `source` sees it
-    if job.method.init_adapter is not None:
-        from .model import apply_init_adapter
-
-        problems = apply_init_adapter(job.method, base_dir)
-        if problems:
-            listed = "\n".join(f"  - {p}" for p in problems)
-            raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}")
-    return job
-
-
-def _read_toml(path: Path, what: str) -> dict[str, Any]:
+def read_toml(path: Path, what: str) -> dict[str, Any]:
     try:
         text = (raw := path.read_bytes()).decode("utf-8")
     except FileNotFoundError:
@@ -378,7 +328,7 @@ def _read_toml(path: Path, what: str) -> dict[str, Any]:
         raise JobFileError(f"{path}: not valid TOML: {exc}; fix the syntax at that line") from None
 
 
-class DatasetPolicyConfig(_Section):
+class DatasetPolicyConfig(Section):
     """[datasets] in $LODGER_HOME/config.toml: the user's rules for data files."""
 
     unregistered: Literal["warn", "strict"] = "warn"
@@ -386,7 +336,7 @@ class DatasetPolicyConfig(_Section):
     `strict` refuses the job (register the file with `lodger data add`)."""
 
 
-class AgentSettings(_Section):
+class AgentSettings(Section):
     """[agent] in $LODGER_HOME/config.toml: how `lodger agent` shares the machine between runs."""
 
     max_concurrent: Int = Field(1, ge=1, le=1024)
@@ -397,49 +347,6 @@ USER_SECTIONS = {"policy": PolicyConfig, "limits": LimitsConfig}
 """Sections of config.toml whose keys are defaults for the job's sections of the same name."""
 USER_ONLY_SECTIONS = {"datasets": DatasetPolicyConfig, "agent": AgentSettings}
 """Sections of config.toml that are the user's own settings, not job defaults."""
-
-
-def user_defaults() -> dict[str, dict[str, Any]]:
-    """[policy] and [limits] defaults from $LODGER_HOME/config.toml (validated), plus [agent] and
-    [datasets] settings."""
-    from .home import home
-
-    path = home() / "config.toml"
-    if not path.is_file():
-        return {}
-    raw = _read_toml(path, "user settings file")
-    problems = []
-    for section, table in raw.items():
-        model = USER_SECTIONS.get(section) or USER_ONLY_SECTIONS.get(section)
-        if model is None:
-            problems.append(f"[{section}]: unknown section; fix: use [policy], [limits], [datasets] or [agent]")
-            continue
-        if not isinstance(table, dict):
-            problems.append(f"{section} = {table!r}: expected a table; fix: write `[{section}]` with its keys below")
-            continue
-        try:
-            model.model_validate(table)
-        except ValidationError as exc:
-            problems += [f"[{section}] " + _describe(e, model).removeprefix("[") for e in exc.errors()]
-    if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise JobFileError(f"{path}: {len(problems)} problem(s) in the user settings:\n{listed}")
-    return raw
-
-
-def load_job(path: str | Path, *, use_user_defaults: bool = True) -> JobConfig:
-    """Read and validate a job file, raising one JobFileError that lists every problem.
-
-    [policy] and [limits] keys the job leaves out come from $LODGER_HOME/config.toml."""
-    path = Path(path)
-    raw = _read_toml(path, "job file")
-    settings = user_defaults()
-    if use_user_defaults:
-        for section, table in settings.items():
-            if section in USER_SECTIONS and isinstance(raw.get(section, {}), dict):
-                raw[section] = {**table, **raw.get(section, {})}
-    policy = DatasetPolicyConfig.model_validate(settings.get("datasets", {}))
-    return parse_job(raw, str(path), path.resolve().parent, unregistered=policy.unregistered)
 
 
 def total_steps(job: JobConfig, n_train: int) -> int:
@@ -458,7 +365,7 @@ def job_hash(job: JobConfig) -> str:
     return hashlib.sha256(json.dumps(job.resolved_dict(), sort_keys=True).encode()).hexdigest()
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -466,71 +373,30 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} to TOML")
 
 
 def to_toml(data: dict[str, Any]) -> str:
     """Write a two-level table (top-level keys, then sections) as TOML."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    lines = [f"{k} = {toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
     for section, table in data.items():
         if isinstance(table, dict):
             lines += ["", f"[{section}]"]
-            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+            lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
     return "\n".join(lines).lstrip() + "\n"
 
 
-_COMMENTED_EXAMPLES: dict[str, Any] = {
-    "epochs": 1.0, "every_seconds": 600.0, "eval": "eval.jsonl", "max_foreign_memory": 0.8,
-    "max_foreign_gpu_memory": 0.5, "allowed_hours": "22:00-07:00", "memory_gb": 8.0,
-    "gpu_memory_fraction": 0.8, "max_compute_hours": 10.0, "eval_every": 50, "threads": 2, "steps": 100,
-    "revision": "main", "init_adapter": "path/to/adapter"}
+# The private spellings targets.py (seams) still imports; remove once it imports the public names.
+_Section, _describe, _read_toml, _toml_value = Section, describe, read_toml, toml_value
 
 
-REMOTE_EXAMPLE = {"wall_hours": 4.0, "gpu_hours": 4.0, "cost": 10.0, "nodes": 1}
+def __getattr__(name: str):
+    # Job loading moved to jobfile.py; session.py, gate.py and remote/ (core's and seams' files)
+    # still import it from here. Resolved on first use, so importing config never loads the
+    # ledger or the dataset registry. Remove once they import from jobfile.
+    if name in ("load_job", "parse_job", "user_defaults", "example_job"):
+        from . import jobfile
 
-
-def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl", remote: bool = False) -> str:
-    """A commented job file, generated from the field docstrings so it never drifts from the code.
-
-    With ``remote`` it ends with a [remote] section whose keys are commented out: a local run
-    ignores them; `lodger submit` needs every one."""
-    values: dict[str, dict[str, Any]] = {
-        "model": {"source": "smollm2-135m-instruct"},
-        "method": {"kind": "lora", "rank": 8, "alpha": 16.0, "dropout": 0.0,
-                   "target_modules": ["q_proj", "v_proj"]},
-        "data": {"train": train, **({"eval": eval_} if eval_ else {}), "max_length": 128},
-        "training": {"steps": 60, "batch_size": 8, "grad_accum": 1, "learning_rate": 1e-3,
-                     "warmup_steps": 5, "min_lr_ratio": 0.1, "weight_decay": 0.0, "max_grad_norm": 1.0,
-                     "seed": 0, "threads": 2, "eval_every": 20, "log_every": 5},
-        "checkpoints": {"every_steps": 20, "keep_last": 3},
-        "guard": {},
-        "policy": {},
-        "limits": {},
-    }
-    sections = {"model": ModelConfig, "method": MethodConfig, "data": DataConfig,
-                "training": TrainingConfig, "checkpoints": CheckpointConfig, "guard": GuardConfig,
-                "policy": PolicyConfig,
-                "limits": LimitsConfig}
-    out = ["# lodger job file. Every key is optional unless marked required; run `lodger run FILE`.",
-           "", "# " + JobConfig.model_fields["name"].description, 'name = "my-job"']
-    for section, model in sections.items():
-        out += ["", f"# {JobConfig.model_fields[section].description}", f"[{section}]"]
-        for key, field in model.model_fields.items():
-            doc = (field.description or "").replace("\n", " ")
-            doc = " ".join(doc.split())
-            required = " (required)" if field.is_required() else ""
-            out.append(f"# {doc}{required}")
-            if key in values[section]:
-                out.append(f"{key} = {_toml_value(values[section][key])}")
-            elif field.default is not None and not field.is_required():
-                out.append(f"# {key} = {_toml_value(field.default)}")
-            else:
-                out.append(f"# {key} = {_toml_value(_COMMENTED_EXAMPLES[key])}")
-    if remote:
-        doc = " ".join((RemoteConfig.__doc__ or "").split())
-        out += ["", f"# {doc} Uncomment and set every key before `lodger submit FILE --target T` "
-                "(docs/boundary.md).", "[remote]"]
-        for key, field in RemoteConfig.model_fields.items():
-            out += [f"# {' '.join((field.description or '').split())}", f"# {key} = {_toml_value(REMOTE_EXAMPLE[key])}"]
-    return "\n".join(out) + "\n"
+        return getattr(jobfile, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

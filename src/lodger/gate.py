@@ -26,6 +26,7 @@ from typing import Any
 from .config import JobConfig
 from .errors import GateRefused, LodgerError
 from .targets import Target, TargetError, get_target
+from .train.precision import mode
 
 GiB = 2**30
 LIMITS = ("wall_hours", "gpu_hours", "cost", "nodes")
@@ -85,9 +86,9 @@ def caps(target: Target) -> dict[str, Any]:
 
 
 def _sha256(path: Path) -> str:
-    from .model import _cached_hash  # remembered by (path, size, mtime): a model is hashed once
+    from .model import cached_hash  # remembered by (path, size, mtime): a model is hashed once
 
-    return _cached_hash(path)
+    return cached_hash(path)
 
 
 def file_sha256(path: Path) -> str:
@@ -200,8 +201,10 @@ def _check_shape(job: JobConfig, target: Target) -> list[str]:
     if not target.gpus_per_node and job.training.device == "cuda":
         reasons.append("[training] device = \"cuda\", but the target has no GPUs (gpus_per_node = 0); fix: use "
                        "\"auto\" or \"cpu\", or another target")
-    if not target.gpus_per_node and job.training.precision == "fp16":
-        reasons.append("[training] precision = \"fp16\" needs GPUs, and the target has none; fix: use \"bf16\"")
+    precision = mode(job.training.precision)
+    if not target.gpus_per_node and precision.needs_gpu:
+        reasons.append(f"[training] precision = \"{precision.name}\" needs GPUs, and the target has none; fix: use "
+                       f"\"{precision.cpu_instead}\"")
     return reasons
 
 

@@ -1,34 +1,10 @@
 """The estimator: peak memory and time of a training job, from the model's config.json.
 
-Peak resident memory (CPU) is the sum of these items (``Estimate.items``, bytes):
-
-* runtime: the process after importing torch, transformers and peft (measured once, cached).
-* weights: every parameter in fp32 (lodger loads fp32), plus the LoRA matrices.
-* gradients, optimizer: an fp32 gradient and two fp32 AdamW moments per trainable parameter.
-* activations: the tensors autograd saves for the backward pass, counted op by op on Llama-style
-  models (transformers 5, torch 2.13, SDPA on CPU, which keeps q, k and v repeated to every
-  head, the output and a float copy of the padding mask); see ``_layer_bytes``. With gradient
-  checkpointing: each layer's input plus one recomputed layer.
-* logits_and_loss: ``token_loss_sum`` and its backward pass hold the logits, their log-softmax and
-  the logits' gradient at once: 12 bytes per token and vocabulary entry (SmolLM2: 49,152 entries).
-* autocast_copies (bf16/fp16): autocast casts every linear weight once per step and keeps the
-  copy until the backward pass, half the fp32 weights; on CPU this can outweigh what
-  half-precision activations save (SmolLM2 LoRA, seq 128, measured: bf16 1.70 GiB, fp32 1.50).
-* checkpoint: what writing a checkpoint adds (CHECKPOINT_COPIES x the trainable weights). Files
-  are streamed from the tensors' own memory (``tensorfile.py``), so this is next to nothing; it
-  was 5 x, and the peak of full fine-tuning, while checkpoints were serialised to bytes first.
-* buffers: tokenizer, attention mask, kernels' scratch.
-* allocator: what glibc keeps resident after freeing it (see ALLOCATOR_RETAINED).
-
-``total_bytes`` is the sum less ``overlap_bytes``, the items never resident at the same moment.
-With glibc's default allocator that is only the logits, freed before a checkpoint is built: the
-heap keeps what activations free during the backward pass instead of handing it to the
-gradients (measured). With the mmap threshold pinned (``pin_allocator``), or on a GPU, the
-resident set is the live set: activations and gradients of full fine-tuning, and the step's
-memory and the checkpoint, are not resident together.
-
-The constants were fitted to the peak RSS (VmHWM) of real steps of lodger's own training pieces,
-each in a fresh process (``measure``); ``bench/memory.py`` prints the comparison for SmolLM2.
+``estimate`` adds up items (runtime, weights, gradients, optimizer, activations, logits, autocast
+copies, checkpoint, buffers, allocator) from the model's shape (``memory_model.py``), the
+precision table (``train/precision.py``) and constants calibrated on real steps measured in a
+fresh process (``measure``). docs/memory.md says what each item counts and how each constant was
+measured; ``bench/memory.py`` prints the comparison for SmolLM2.
 """
 
 from __future__ import annotations
@@ -44,7 +20,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import LodgerError, ModelSourceError
+from .errors import LodgerError
+# The model's arithmetic, re-exported: callers use memory.model_shape, memory.step_flops, ...
+from .memory_model import Shape, activation_parts, logits_bytes, model_shape, step_flops, trainable_params  # noqa: F401
+from .train.precision import MASTER_BYTES, MODES, mode
 
 if TYPE_CHECKING:
     from .config import JobConfig
@@ -55,155 +34,15 @@ GiB = 2**30
 TOKENIZER_FIXED = int(2.5 * 2**20)   # a loaded fast tokenizer: its first template and tables
 TOKENIZER_BYTES_PER_VOCAB = 940     # ... and per vocabulary entry (SmolLM2, 49,152 entries: 46 MB)
 BUFFERS_FIXED = 8 * 2**20           # model-independent scratch: autograd engine, kernels' workspaces
-# With glibc's default (dynamic) mmap threshold, the first tensors freed raise the threshold to
-# their size, so from then on activation-sized tensors come from the heap, and what a step frees
-# stays resident, only partly reusable by the next step's differently sized tensors. Measured on
-# SmolLM2 (LoRA and full, seq 128/256, with and without checkpointing): gradients never reuse
-# what the activations free (so both count in full), and about half of the step's transient bytes
-# (activations, logits, autocast copies) stay resident on top, except that the gradients' own
-# memory, freed at every zero_grad, absorbs it. With the threshold pinned (pin_allocator) the
-# measured peak is the live set.
+# Share of a step's transient bytes glibc keeps resident (its dynamic mmap threshold): docs/memory.md.
 ALLOCATOR_RETAINED = 0.5
-# Whether `lodger run` pins the threshold (pin_allocator) at start-up. It does not: pinned, SmolLM2
-# LoRA seq 128 peaked at 1.30 GiB instead of 1.49 but its steps took 1.53 s instead of 1.0 (idle
-# machine), every large tensor becoming a fresh mapping whose pages are faulted in again.
+# Whether `lodger run` pins the mmap threshold (pin_allocator): it does not; slower steps (docs/memory.md).
 RUNS_PIN_ALLOCATOR = False
 GPU_CONTEXT_BYTES = 600 * 2**20     # CUDA context + cuBLAS workspace (uncalibrated: no GPU here)
 GPU_ALLOCATOR_FRACTION = 0.10       # caching-allocator fragmentation on GPU (uncalibrated)
-# Share of the matmul benchmark's rate a training step reaches: 0.65-0.7 on SmolLM2 (fp32, LoRA
-# and full, seq 128, 2 threads) on an idle machine, where a step took 1.0-1.6 s. Under other load
-# the 0.2 s benchmark and a sustained step get different shares of the cores (0.1-0.8 measured),
-# so a time estimate is only as steady as the machine's load.
+# Share of the matmul benchmark's rate a training step reaches (SmolLM2, idle: 0.65-0.7; docs/memory.md).
 MATMUL_EFFICIENCY = 0.6
 CHECKPOINT_COPIES = 0               # extra memory of writing a checkpoint, x the trainable weights (streamed)
-
-# Linear layers of a Llama-style decoder layer: name -> (in, out) as functions of the shape.
-_LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The architecture numbers the estimate needs, from config.json."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    tied: bool
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def module_dims(self, name: str) -> tuple[int, int]:
-        """(in, out) features of a linear layer by its name; unknown names count as hidden x hidden."""
-        h, i = self.hidden, self.intermediate
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-                "lm_head": (h, self.vocab), "embed_tokens": (self.vocab, h)}.get(name, (h, h))
-
-    @property
-    def layer_linear_params(self) -> int:
-        return sum(a * b for a, b in map(self.module_dims, _LAYER_MODULES))
-
-    @property
-    def total_params(self) -> int:
-        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return embeddings + self.layers * (self.layer_linear_params + 2 * self.hidden) + self.hidden
-
-
-def model_shape(config: dict[str, Any]) -> Shape:
-    """Read the architecture from a config.json dict (multimodal configs: their text_config)."""
-    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
-        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", False)}
-    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in needed if not isinstance(config.get(k), int)]
-    if missing:
-        raise ModelSourceError(f"config.json lacks {', '.join(missing)}: the memory estimate needs a "
-                               "decoder-only transformer config (Llama, Qwen, Mistral, SmolLM ...)")
-    h, heads = config["hidden_size"], config["num_attention_heads"]
-    return Shape(hidden=h, layers=config["num_hidden_layers"], heads=heads,
-                 kv_heads=config.get("num_key_value_heads") or heads,
-                 head_dim=config.get("head_dim") or h // heads,
-                 intermediate=config.get("intermediate_size") or 4 * h,
-                 vocab=config["vocab_size"], tied=bool(config.get("tie_word_embeddings", False)))
-
-
-def trainable_params(shape: Shape, method) -> int:
-    """Parameters the optimizer updates: all for `full`; r*(in+out) per adapted layer for LoRA."""
-    if method.kind == "full":
-        return shape.total_params
-    total = 0
-    for name in method.target_modules:
-        n_in, n_out = shape.module_dims(name)
-        total += method.rank * (n_in + n_out) * (1 if name in ("lm_head", "embed_tokens") else shape.layers)
-    return total
-
-
-# -- activations ------------------------------------------------------------------------------
-def _layer_bytes(shape: Shape, seq: int, method, half: bool) -> float:
-    """Bytes autograd saves per token in one decoder layer (no checkpointing).
-
-    Counted from the saved tensors of each op (fp32 / bf16 autocast, SDPA on CPU):
-    RMSNorm keeps its input (and x*rsqrt when its weight trains) in fp32; each linear keeps its
-    input when its weight trains (under autocast, one bf16 cast per linear); SDPA keeps q, k, v
-    (k and v repeated to every head), the output, the log-sum-exp and a float copy of the mask
-    (seq values per token); the MLP keeps gate, silu(gate), up and their product.
-    """
-    h, q, i, e = shape.hidden, shape.q_dim, shape.intermediate, (2 if half else 4)
-    attention = 4 * q * e + seq * e + 4 * shape.heads
-    if method.kind == "full":
-        norms = 4 * h * 4
-        linear_inputs = (5 * h if half else 2 * h) * e   # bf16: q,k,v,gate,up each cast normed input
-        return norms + linear_inputs + attention + 4 * i * e
-    targets = [t for t in method.target_modules if t not in ("lm_head", "embed_tokens")]
-    dropout = getattr(method, "dropout", 0.0) > 0
-    inputs = 0.0
-    shared: set[str] = set()
-    for name in targets:
-        n_in = shape.module_dims(name)[0]
-        if name == "o_proj":
-            continue                                  # its input is SDPA's output, kept anyway
-        if dropout:
-            inputs += n_in * (e + 1)                  # dropout output + its bool mask, per adapter
-            continue
-        group = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp",
-                 "up_proj": "mlp"}.get(name, name)
-        if half and name != "down_proj":
-            inputs += n_in * e                        # autocast casts the input once per linear
-        elif group not in shared:
-            shared.add(group)
-            inputs += n_in * e
-    lora_mid = method.rank * len(targets) * e
-    return 2 * h * 4 + inputs + lora_mid + attention + 3 * i * e
-
-
-def activation_parts(shape: Shape, tokens: int, seq: int, method, *, half: bool,
-                     checkpointing: bool) -> tuple[float, float]:
-    """(saved activations, one recomputed layer) in bytes for a micro-batch of ``tokens``."""
-    layer = _layer_bytes(shape, seq, method, half) * tokens
-    if method.kind == "full":
-        final = (8 * shape.hidden + 2 * shape.hidden if half else 12 * shape.hidden) * tokens
-    else:
-        final = 4 * shape.hidden * tokens
-    if checkpointing:
-        # Non-reentrant checkpointing keeps each layer's input (the fp32 residual stream); the
-        # backward pass recomputes one layer at a time.
-        return shape.layers * 4 * shape.hidden * tokens + final, layer
-    return shape.layers * layer + final, 0.0
-
-
-def logits_bytes(shape: Shape, batch: int, seq: int) -> float:
-    """Peak of ``token_loss_sum`` and its backward pass: the logits, their log-softmax and the
-    logits' gradient (fp32), 12 bytes per token and vocabulary entry (measured)."""
-    return 12 * batch * seq * shape.vocab
 
 
 # -- the estimate -----------------------------------------------------------------------------
@@ -247,27 +86,28 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     seq = int(seq_len or job.data.max_length)
     batch = cfg.batch_size
     tokens = batch * seq
-    half = cfg.precision in ("bf16", "fp16")
+    precision = mode(cfg.precision)
+    half = precision.autocast
     gpu = device.startswith("cuda")
     total = shape.total_params
     trainable = trainable_params(shape, method)
 
-    weights = 4 * total + (4 * trainable if method.kind == "lora" else 0)
-    gradients = 4 * trainable
-    optimizer = 8 * trainable
-    saved, recomputed = activation_parts(shape, tokens, seq, method, half=half,
+    weights = MASTER_BYTES * (total + (trainable if method.kind == "lora" else 0))
+    gradients = MASTER_BYTES * trainable
+    optimizer = 2 * MASTER_BYTES * trainable  # AdamW's two moments
+    saved, recomputed = activation_parts(shape, tokens, seq, method, precision=precision,
                                          checkpointing=cfg.gradient_checkpointing)
     activations = saved + recomputed
     loss = logits_bytes(shape, batch, seq)
     copies = 0.0
-    if half:  # one half-precision copy of every linear weight (lm_head too, even when tied)
-        copies = 2 * (shape.layers * shape.layer_linear_params + shape.vocab * shape.hidden)
-        copies += 2 * trainable if method.kind == "lora" else 0
+    if half:  # one autocast copy of every linear weight (lm_head too, even when tied)
+        copies = precision.value_bytes * (shape.layers * shape.layer_linear_params + shape.vocab * shape.hidden)
+        copies += precision.value_bytes * trainable if method.kind == "lora" else 0
     mask = batch * seq * seq  # the boolean causal/padding mask, built once per forward
     buffers = BUFFERS_FIXED + mask + (0 if gpu else TOKENIZER_FIXED + TOKENIZER_BYTES_PER_VOCAB * shape.vocab)
     transient = activations + loss + copies       # freed again by the end of each step
     # Writing a checkpoint between steps (Session.save_checkpoint): see CHECKPOINT_COPIES.
-    checkpoint = 0.0 if gpu else CHECKPOINT_COPIES * 4 * trainable
+    checkpoint = 0.0 if gpu else CHECKPOINT_COPIES * MASTER_BYTES * trainable
     if gpu:
         runtime = GPU_CONTEXT_BYTES if runtime_bytes is None else runtime_bytes
         allocator = GPU_ALLOCATOR_FRACTION * transient
@@ -309,20 +149,6 @@ def _not_alive_together(transient: float, gradients: float, checkpoint: float, k
     step = max(transient + (gradients if kind == "lora" else 0), gradients)
     return transient + gradients + checkpoint - max(step, checkpoint)
 
-
-def step_flops(job: "JobConfig", model_config: dict, *, seq_len: int | None = None) -> float:
-    """Floating-point operations of one optimizer step (every micro-batch, forward and backward)."""
-    shape = model_shape(model_config)
-    cfg = job.training
-    seq = int(seq_len or job.data.max_length)
-    tokens = cfg.batch_size * seq
-    matmul = 2 * (shape.layers * shape.layer_linear_params + shape.vocab * shape.hidden) * tokens
-    attention = 4 * cfg.batch_size * seq * seq * shape.q_dim * shape.layers
-    forward = matmul + attention
-    # Backward: gradients of the inputs always; of the weights only for full fine-tuning.
-    backward = 2 * matmul + 2 * attention if job.method.kind == "full" else matmul + 2 * attention
-    recompute = (forward - 2 * shape.vocab * shape.hidden * tokens) if cfg.gradient_checkpointing else 0
-    return cfg.grad_accum * (forward + backward + recompute)
 
 
 def estimate_time(job: "JobConfig", model_config: dict, flops_per_second: float, *,
@@ -377,8 +203,9 @@ def suggestions(est: Estimate, job: "JobConfig", available_bytes: int) -> list[s
     if not cfg.gradient_checkpointing:
         options.append(("[training] gradient_checkpointing = true (recomputes activations: about a third more "
                         "time)", {"training": {"gradient_checkpointing": True}}, None))
-    if cfg.precision == "fp32":
-        options.append(('[training] precision = "bf16"', {"training": {"precision": "bf16"}}, None))
+    if not mode(cfg.precision).autocast:  # the half-precision mode that runs anywhere
+        half_mode = next(m.name for m in MODES.values() if m.autocast and not m.needs_gpu)
+        options.append((f'[training] precision = "{half_mode}"', {"training": {"precision": half_mode}}, None))
     if est.seq_len > 64:
         shorter = max(64, est.seq_len // 2)
         options.append((f"[data] max_length = {shorter} (longer examples are cut)",
@@ -524,7 +351,7 @@ def flops_per_second(threads: int | None = None, precision: str = "fp32", second
     """Matmul rate of this machine at ``threads`` threads (a ~0.2 s benchmark)."""
     import torch
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = mode(precision).dtype
     before = torch.get_num_threads()
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     try:

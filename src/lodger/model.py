@@ -47,7 +47,7 @@ class ModelSource:
         return {"hub": dict(self.hub)} if self.hub else {}
 
 
-def _cached_hash(path: Path) -> str:
+def cached_hash(path: Path) -> str:
     """sha256 of a file, remembered by (path, size, mtime) so big files are hashed once."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:32]
@@ -59,10 +59,13 @@ def _cached_hash(path: Path) -> str:
     return digest
 
 
+_cached_hash = cached_hash  # gate.py (seams) still imports this spelling; remove once it imports cached_hash
+
+
 def _folder_hash(folder: Path) -> str:
     digest = hashlib.sha256()
     for file in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        digest.update(f"{file.relative_to(folder)}\0{_cached_hash(file)}\n".encode())
+        digest.update(f"{file.relative_to(folder)}\0{cached_hash(file)}\n".encode())
     return digest.hexdigest()
 
 
@@ -127,10 +130,10 @@ def resolve_source(spec: str, revision: str | None = None) -> ModelSource:
     """Turn the job's `model.source` into a ModelSource, or explain why it cannot be used."""
     if spec in ALIASES:
         path = alias_path(spec)
-        return ModelSource(spec, "gguf", path, _cached_hash(path))
+        return ModelSource(spec, "gguf", path, cached_hash(path))
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(spec, "gguf", path.resolve(), _cached_hash(path))
+        return ModelSource(spec, "gguf", path.resolve(), cached_hash(path))
     if path.is_dir():
         return resolve_folder(spec, path)
     if path.exists():

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from .config import Float, Int, _describe, _read_toml, _Section, _toml_value
+from .config import Float, Int, Section, describe, read_toml, toml_value
 from .errors import JobFileError, LodgerError
 from .home import home
 
 
-class Target(_Section):
+class Target(Section):
     """One remote target and the caps its owner set on it."""
 
-    kind: Literal["ray"] = "ray"
-    """The engine there: a Ray cluster reached through its job submission API."""
+    kind: str = "ray"
+    """The engine there, one of the backend kinds in remote/backend.py: `ray`, a Ray cluster
+    reached through its job submission API."""
     address: str
     """The Ray dashboard address, e.g. http://127.0.0.1:8265."""
     storage: str
@@ -51,6 +51,13 @@ class Target(_Section):
     for the time estimate. Left out: `submit` says the time there is unknown (this machine's rate
     says nothing about another machine's)."""
 
+    @field_validator("kind")
+    @classmethod
+    def _a_known_backend(cls, value: str) -> str:
+        from .remote.backend import check_kind  # the registry of kinds: no engine imported
+
+        return check_kind(value)
+
     @field_validator("address")
     @classmethod
     def _an_http_url(cls, value: str) -> str:
@@ -75,7 +82,7 @@ def load_targets() -> dict[str, Target]:
     if not path.exists():
         return {}
     try:
-        raw = _read_toml(path, "targets file")
+        raw = read_toml(path, "targets file")
     except JobFileError as exc:
         raise TargetError(str(exc)) from None
     targets, problems = {}, []
@@ -98,7 +105,7 @@ def load_targets() -> dict[str, Target]:
         try:
             targets[name] = Target.model_validate(table)
         except ValidationError as exc:
-            problems += [f"[targets.{name}] " + _describe(e, Target).removeprefix("[") for e in exc.errors()]
+            problems += [f"[targets.{name}] " + describe(e, Target).removeprefix("[") for e in exc.errors()]
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise TargetError(f"{path}: {len(problems)} problem(s) in the targets file; edit it to fix them:\n{listed}")
@@ -139,7 +146,7 @@ def save_targets(targets: dict[str, Target]) -> None:
              "# gate refuses a target edited here by hand until `lodger target add NAME ... --replace` records it)."]
     for name, target in sorted(targets.items()):
         lines += ["", f"[targets.{name}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in target.model_dump(mode="json", exclude_none=True).items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in target.model_dump(mode="json", exclude_none=True).items()]
     atomic_write(targets_path(), ("\n".join(lines) + "\n").encode())
 
 
@@ -155,7 +162,7 @@ def add_target(name: str, settings: dict, *, replace: bool = False) -> Target:
     try:
         target = Target.model_validate({k: v for k, v in settings.items() if v is not None})
     except ValidationError as exc:
-        problems = [_describe(e, Target) for e in exc.errors()]
+        problems = [describe(e, Target) for e in exc.errors()]
         listed = "\n".join(f"  - {p}" for p in problems)
         raise TargetError(f"target {name!r}: {len(problems)} problem(s) (each key is the option of the same "
                           f"name, `_` written `-`):\n{listed}") from None

@@ -23,7 +23,7 @@ import pytest
 
 from helpers import (checkpoint_dirs, describe, eval_losses, final_adapter_bytes, lodger_env, read_metrics,
                      run_dir_of, run_lodger, show, start_lodger, train_records, wait_until, write_job)
-from lodger.agent import CLK_TCK, Sampler, process_jiffies
+from lodger.machine import CLK_TCK, Sampler, process_jiffies
 from lodger.control import notify, run_state, write_request
 from lodger.ledger import Ledger
 from lodger.runlock import is_locked, lock_pid

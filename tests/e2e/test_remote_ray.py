@@ -96,7 +96,7 @@ def ray_head():
 def _plan(job_path: Path, head: dict):
     """What the gate hands over once it approved a job: the validated job, the target, the files."""
     from lodger.checkpoint import hash_file
-    from lodger.config import load_job
+    from lodger.jobfile import load_job
     from lodger.gate import LeavingFile, Plan
     from lodger.targets import Target
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from lodger import agent as agent_module
-from lodger.agent import Agent, Sampler, on_battery, violations, within_hours
+from lodger import machine as machine_module
+from lodger.agent import Agent
+from lodger.machine import Sampler, on_battery, violations, within_hours
 from lodger.config import PolicyConfig, to_toml
 from lodger.control import clear_request, effective, read_requests, write_request
 from lodger.home import run_dir
@@ -296,10 +297,10 @@ class FakeProc:
 @pytest.fixture
 def fake_proc(monkeypatch: pytest.MonkeyPatch) -> FakeProc:
     proc = FakeProc()
-    monkeypatch.setattr(agent_module, "_cpu_times", lambda: (proc.busy, proc.total))
-    monkeypatch.setattr(agent_module, "process_jiffies", lambda pid: proc.procs.get(pid, 0))
-    monkeypatch.setattr(agent_module, "process_rss", lambda pid: 0)
-    monkeypatch.setattr(agent_module, "on_battery", lambda: False)
+    monkeypatch.setattr(machine_module, "_cpu_times", lambda: (proc.busy, proc.total))
+    monkeypatch.setattr(machine_module, "process_jiffies", lambda pid: proc.procs.get(pid, 0))
+    monkeypatch.setattr(machine_module, "process_rss", lambda pid: 0)
+    monkeypatch.setattr(machine_module, "on_battery", lambda: False)
     return proc
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lodger import datasets
-from lodger.config import load_job
+from lodger.jobfile import load_job
 from lodger.errors import DatasetError, JobFileError
 from lodger.ledger import Ledger
 

@@ -36,7 +36,7 @@ def agent(interval: float, max_concurrent: int | None, for_seconds: float | None
     import signal
 
     from ..agent import Agent, AgentLock, agent_log_path
-    from ..config import user_defaults
+    from ..jobfile import user_defaults
     from ..ledger import Ledger
     from ..restarts import Backoff
 
@@ -75,7 +75,8 @@ def queue_add(job: Path, priority: int) -> None:
 
     Example: lodger queue add my-job.toml --priority 5
     """
-    from ..config import load_job, to_toml
+    from ..config import to_toml
+    from ..jobfile import load_job
     from ..data import read_jsonl
     from ..ledger import Ledger
 

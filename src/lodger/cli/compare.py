@@ -92,7 +92,7 @@ def reproduce(run_id: str, quiet: bool) -> None:
     from ..home import run_dir
     from ..ledger import Ledger
     from ..run import JOB_FILE, create_run, execute
-    from .. import config
+    from .. import jobfile
     from ..model import resolve_source
     from ..checkpoint import hash_file
 
@@ -102,7 +102,7 @@ def reproduce(run_id: str, quiet: bool) -> None:
     if not record:
         raise RunStateError(f"run {run['id']} has no provenance record; it never started")
     original = record[0]
-    job = config.load_job(run_dir(run["id"]) / JOB_FILE)
+    job = jobfile.load_job(run_dir(run["id"]) / JOB_FILE)
     problems = []
     for part, path in (("train", job.data.train), ("eval", job.data.eval)):
         want = original["data"].get(part)

@@ -52,17 +52,10 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
         started = time.monotonic()
         waiting = []
         for run in targets:
-            if run.get("target"):  # on a remote target: a request file in storage, noticed by polling
-                from ..remote import remote_run_dir
+            if run.get("target"):  # on a remote target: its backend asks it (a request file in storage)
+                from ..remote import pause as pause_remote
 
-                if run["status"] not in ("submitted", "running", "held"):
-                    raise RunStateError(f"run {run['id']} is not training now (status {run['status']})")
-                folder = remote_run_dir(run)
-                folder.mkdir(parents=True, exist_ok=True)
-                # Noticed by polling; signalled too if its process verifiably runs on this machine.
-                ask(folder, "user", mode, "lodger pause", ledger=ledger,
-                    event={"kind": "pause_requested", "mode": mode, "by": "user", "target": run["target"]})
-                waiting.append((run, folder, None, time.time()))
+                waiting.append((run, pause_remote(ledger, run, mode), None, time.time()))
                 continue
             folder = run_dir(run["id"])
             pid = holder(folder)
@@ -193,7 +186,7 @@ def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None
 
 
 def _job_world_size(run_id: str) -> int:
-    from ..config import load_job
+    from ..jobfile import load_job
     from ..home import run_dir
     from ..run import JOB_FILE
 

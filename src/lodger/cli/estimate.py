@@ -28,7 +28,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.1f} s"
     if seconds < 7200:
@@ -59,19 +59,19 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     Example: lodger estimate my-job.toml --measure
     """
     from .. import memory
-    from ..config import load_job
+    from ..jobfile import load_job
     from ..run import prepare
 
     cfg = load_job(job)
     import time
 
-    from .train import _announce_first_use, _first_use_done
+    from .train import announce_first_use, first_use_done
 
     started = time.monotonic()
-    announced = _announce_first_use(cfg, quiet=False)  # on stderr: --json output stays clean
+    announced = announce_first_use(cfg, quiet=False)  # on stderr: --json output stays clean
     prepared = prepare(cfg)
     if announced:
-        _first_use_done(started)
+        first_use_done(started)
     threads = cfg.training.threads or len(os.sched_getaffinity(0))
     model_config = json.loads((prepared.folder / "config.json").read_text())
     seq = min(cfg.data.max_length, _longest_example(prepared.train_set))
@@ -130,8 +130,8 @@ def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fi
     verdict = "[green]fits[/green]" if fits else "[red]does not fit[/red]"
     console.print(f"available: {available / GiB:.2f} GiB (MemAvailable){limit_text} -> {verdict}")
     if est.step_seconds is not None:
-        whole = (f", about {_duration(est.job_seconds)} for {total_steps} steps" if est.job_seconds else "")
-        console.print(f"time: about {_duration(est.step_seconds)} per step "
+        whole = (f", about {duration(est.job_seconds)} for {total_steps} steps" if est.job_seconds else "")
+        console.print(f"time: about {duration(est.step_seconds)} per step "
                       f"({est.flops_per_step / 1e12:.2f} TFLOP at a measured {rate / 1e9:.0f} GFLOP/s matmul "
                       f"rate){whole}")
     if not fits:

@@ -24,7 +24,7 @@ def _size(n: int) -> str:
 
 
 def _duration(seconds: float) -> str:
-    from .estimate import _duration as duration  # one way of writing durations across commands
+    from .estimate import duration  # one way of writing durations across commands
 
     return duration(seconds)
 

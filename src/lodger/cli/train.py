@@ -28,7 +28,7 @@ def init(file: Path, force: bool, remote: bool) -> None:
     """
     from importlib import resources
 
-    from ..config import example_job
+    from ..jobfile import example_job
 
     if file.exists() and not force:
         raise JobFileError(f"{file} already exists; pick another name or pass --force to overwrite it")
@@ -63,15 +63,15 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     Example: lodger run my-job.toml
              lodger run my-job.toml --detach
     """
-    from ..config import load_job
+    from ..jobfile import load_job
     from ..run import create_run, execute
 
     started = time.monotonic()
-    announced = _announce_first_use(load_job(job), quiet)
+    announced = announce_first_use(load_job(job), quiet)
     run_id, prepared = create_run(job, threads, managed=detach, force=force)
     log_to_run(run_id)
     if announced:
-        _first_use_done(started)
+        first_use_done(started)
     click.echo(f"run {run_id}")  # the command's result, under --quiet too: scripts read the id here
     if not quiet:
         _note_unregistered(prepared)
@@ -81,7 +81,7 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     execute(run_id, prepared, resuming=False, quiet=quiet)
 
 
-def _announce_first_use(job, quiet: bool) -> bool:
+def announce_first_use(job, quiet: bool) -> bool:
     """Say what is happening before a model's first use takes a while (converting a GGUF file);
     True when it was said, so the caller can say when it is done."""
     from ..model import preparation_notice, resolve_source
@@ -92,7 +92,7 @@ def _announce_first_use(job, quiet: bool) -> bool:
     return bool(notice) and not quiet
 
 
-def _first_use_done(started: float) -> None:
+def first_use_done(started: float) -> None:
     import time
 
     click.echo(f"model prepared in {time.monotonic() - started:.0f} s; later runs skip this step", err=True)
@@ -148,7 +148,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
-    from ..config import load_job
+    from ..jobfile import load_job
     from ..control import ask, clear_request, read_requests, run_state
     from ..home import run_dir
     from ..run import JOB_FILE
@@ -181,7 +181,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
             return
         if (folder / JOB_FILE).is_file():  # a missing one is refused, with its own message, just below
-            _announce_first_use(load_job(folder / JOB_FILE), quiet)
+            announce_first_use(load_job(folder / JOB_FILE), quiet)
         prepared = _prepare_resume(ledger, run["id"], threads, world_size, force)
         for requester in ("user", "agent"):  # the owner asked for it: earlier pause requests are void
             clear_request(folder, requester)

@@ -34,6 +34,14 @@ class Slot:
 
 
 class Engine:
+    """One base model in memory and the named slots served from it (``base``, a run's newest
+    checkpoint, one fixed checkpoint, an adapter folder), each answered by one adapter version.
+
+    Every adapter is verified (sizes, hashes) before it is loaded; ``refresh_all`` moves run slots
+    to newer checkpoints. ``lock`` is held by a generation from its first token to its last and by
+    every adapter switch, so a request never sees two versions. No HTTP here: app.py is the server.
+    """
+
     def __init__(self, model_folder: Path, threads: int | None = None):
         import torch
 

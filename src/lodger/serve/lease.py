@@ -13,6 +13,7 @@ import threading
 import time
 import tomllib
 
+from ..config import PolicyConfig
 from ..control import ask, clear_request, read_requests, wake, write_request
 from ..home import run_dir
 from ..ledger import Ledger
@@ -46,10 +47,10 @@ class InferenceLease:
             for run in ledger.runs():
                 if run["status"] not in ("running", "held") or not is_locked(run_dir(run["id"])):
                     continue
-                try:
-                    policy = tomllib.loads(run["job_toml"]).get("policy", {})
-                    if policy.get("enabled", True) and policy.get("yield_to_inference", True):
-                        found[run["id"]] = float(policy.get("inference_grace_seconds", 3.0))
+                try:  # [policy] read by the job's own model: its defaults live in config.py only
+                    policy = PolicyConfig.model_validate(tomllib.loads(run["job_toml"]).get("policy", {}))
+                    if policy.enabled and policy.yield_to_inference:
+                        found[run["id"]] = float(policy.inference_grace_seconds)
                 except (tomllib.TOMLDecodeError, TypeError, ValueError, AttributeError) as exc:
                     LOG.warning("run %s: cannot read its [policy] (%s); it does not yield to inference",
                                 run["id"], exc)

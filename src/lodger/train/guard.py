@@ -29,6 +29,9 @@ class GuardState:
 
 
 class Guard:
+    """Judges each finished step by its loss (skip, roll back, spike) and owns ``GuardState``, which
+    a checkpoint carries so that a resumed run skips the same batches and keeps its lr scale."""
+
     def __init__(self, cfg, state: dict | None = None):
         self.cfg = cfg
         self.state = GuardState(**state) if state else GuardState()

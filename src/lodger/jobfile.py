@@ -1,0 +1,172 @@
+"""Reading a job file: user defaults from $LODGER_HOME/config.toml, data files resolved against
+the dataset registry, one ``JobFileError`` that lists every problem; and the commented example
+job that `lodger init` writes, generated from the field docstrings.
+
+The models themselves are config.py; this module sits above the ledger (datasets.py reads it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from .config import (DATASET_PREFIX, USER_ONLY_SECTIONS, USER_SECTIONS, CheckpointConfig, DataConfig,
+                     DatasetPolicyConfig, GuardConfig, JobConfig, LimitsConfig, MethodConfig, ModelConfig,
+                     PolicyConfig, RemoteConfig, TrainingConfig, cross_checks, describe, read_toml,
+                     toml_value)
+from .errors import JobFileError
+
+
+def _resolve_data(raw: dict[str, Any], base_dir: Path, unregistered: str) -> tuple[dict[str, Any], list[str]]:
+    """Each data file that exists (or names a dataset) against the registry: {role: DataUse}, problems."""
+    from .datasets import list_datasets, resolve
+
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    wanted = {k: v for k, v in data.items() if k in ("train", "eval") and isinstance(v, str)
+              and (v.startswith(DATASET_PREFIX) or (base_dir / v).is_file())}
+    if not wanted:
+        return {}, []
+    registry = list_datasets()
+    uses, problems = {}, []
+    for role, reference in wanted.items():
+        use, found = resolve(role, reference, base_dir, unregistered=unregistered, registry=registry)
+        problems += found
+        if use is not None:
+            uses[role] = use
+    return uses, problems
+
+
+def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered: str = "warn") -> JobConfig:
+    """Validate an already parsed TOML table; relative data paths are resolved from ``base_dir``,
+    `dataset:NAME` through the registry (``unregistered``: "warn" or "strict", the user's policy
+    for data files that are not registered datasets)."""
+    problems = cross_checks(raw, base_dir)
+    uses, data_problems = _resolve_data(raw, base_dir, unregistered)
+    problems += data_problems
+    try:
+        job = JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems += [p for p in map(describe, exc.errors())  # cross_checks named steps/epochs by key
+                     if "`steps` or `epochs`" not in p and "give `steps = N`" not in p]
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}") from None
+    data = job.data
+    data.train = uses["train"].file.path if "train" in uses else (base_dir / data.train).resolve()
+    if data.eval is not None:
+        data.eval = uses["eval"].file.path if "eval" in uses else (base_dir / data.eval).resolve()
+    job.attach_data_uses([uses[role] for role in ("train", "eval") if role in uses])
+    source_path = Path(job.model.source).expanduser()
+    if not source_path.is_absolute() and (base_dir / source_path).exists():
+        job.model.source = str((base_dir / source_path).resolve())
+    elif job.model.revision and "@" not in job.model.source and "/" in job.model.source:
+        job.model.source = f"{job.model.source}@{job.model.revision}"  # every reader of `source` sees it
+    if job.method.init_adapter is not None:
+        from .model import apply_init_adapter
+
+        problems = apply_init_adapter(job.method, base_dir)
+        if problems:
+            listed = "\n".join(f"  - {p}" for p in problems)
+            raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}")
+    return job
+
+
+def user_defaults() -> dict[str, dict[str, Any]]:
+    """[policy] and [limits] defaults from $LODGER_HOME/config.toml (validated), plus [agent] and
+    [datasets] settings."""
+    from .home import home
+
+    path = home() / "config.toml"
+    if not path.is_file():
+        return {}
+    raw = read_toml(path, "user settings file")
+    problems = []
+    for section, table in raw.items():
+        model = USER_SECTIONS.get(section) or USER_ONLY_SECTIONS.get(section)
+        if model is None:
+            problems.append(f"[{section}]: unknown section; fix: use [policy], [limits], [datasets] or [agent]")
+            continue
+        if not isinstance(table, dict):
+            problems.append(f"{section} = {table!r}: expected a table; fix: write `[{section}]` with its keys below")
+            continue
+        try:
+            model.model_validate(table)
+        except ValidationError as exc:
+            problems += [f"[{section}] " + describe(e, model).removeprefix("[") for e in exc.errors()]
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise JobFileError(f"{path}: {len(problems)} problem(s) in the user settings:\n{listed}")
+    return raw
+
+
+def load_job(path: str | Path, *, use_user_defaults: bool = True) -> JobConfig:
+    """Read and validate a job file, raising one JobFileError that lists every problem.
+
+    [policy] and [limits] keys the job leaves out come from $LODGER_HOME/config.toml."""
+    path = Path(path)
+    raw = read_toml(path, "job file")
+    settings = user_defaults()
+    if use_user_defaults:
+        for section, table in settings.items():
+            if section in USER_SECTIONS and isinstance(raw.get(section, {}), dict):
+                raw[section] = {**table, **raw.get(section, {})}
+    policy = DatasetPolicyConfig.model_validate(settings.get("datasets", {}))
+    return parse_job(raw, str(path), path.resolve().parent, unregistered=policy.unregistered)
+
+
+_COMMENTED_EXAMPLES: dict[str, Any] = {
+    "epochs": 1.0, "every_seconds": 600.0, "eval": "eval.jsonl", "max_foreign_memory": 0.8,
+    "max_foreign_gpu_memory": 0.5, "allowed_hours": "22:00-07:00", "memory_gb": 8.0,
+    "gpu_memory_fraction": 0.8, "max_compute_hours": 10.0, "eval_every": 50, "threads": 2, "steps": 100,
+    "revision": "main", "init_adapter": "path/to/adapter"}
+
+
+REMOTE_EXAMPLE = {"wall_hours": 4.0, "gpu_hours": 4.0, "cost": 10.0, "nodes": 1}
+
+
+def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl", remote: bool = False) -> str:
+    """A commented job file, generated from the field docstrings so it never drifts from the code.
+
+    With ``remote`` it ends with a [remote] section whose keys are commented out: a local run
+    ignores them; `lodger submit` needs every one."""
+    values: dict[str, dict[str, Any]] = {
+        "model": {"source": "smollm2-135m-instruct"},
+        "method": {"kind": "lora", "rank": 8, "alpha": 16.0, "dropout": 0.0,
+                   "target_modules": ["q_proj", "v_proj"]},
+        "data": {"train": train, **({"eval": eval_} if eval_ else {}), "max_length": 128},
+        "training": {"steps": 60, "batch_size": 8, "grad_accum": 1, "learning_rate": 1e-3,
+                     "warmup_steps": 5, "min_lr_ratio": 0.1, "weight_decay": 0.0, "max_grad_norm": 1.0,
+                     "seed": 0, "threads": 2, "eval_every": 20, "log_every": 5},
+        "checkpoints": {"every_steps": 20, "keep_last": 3},
+        "guard": {},
+        "policy": {},
+        "limits": {},
+    }
+    sections = {"model": ModelConfig, "method": MethodConfig, "data": DataConfig,
+                "training": TrainingConfig, "checkpoints": CheckpointConfig, "guard": GuardConfig,
+                "policy": PolicyConfig,
+                "limits": LimitsConfig}
+    out = ["# lodger job file. Every key is optional unless marked required; run `lodger run FILE`.",
+           "", "# " + JobConfig.model_fields["name"].description, 'name = "my-job"']
+    for section, model in sections.items():
+        out += ["", f"# {JobConfig.model_fields[section].description}", f"[{section}]"]
+        for key, field in model.model_fields.items():
+            doc = (field.description or "").replace("\n", " ")
+            doc = " ".join(doc.split())
+            required = " (required)" if field.is_required() else ""
+            out.append(f"# {doc}{required}")
+            if key in values[section]:
+                out.append(f"{key} = {toml_value(values[section][key])}")
+            elif field.default is not None and not field.is_required():
+                out.append(f"# {key} = {toml_value(field.default)}")
+            else:
+                out.append(f"# {key} = {toml_value(_COMMENTED_EXAMPLES[key])}")
+    if remote:
+        doc = " ".join((RemoteConfig.__doc__ or "").split())
+        out += ["", f"# {doc} Uncomment and set every key before `lodger submit FILE --target T` "
+                "(docs/boundary.md).", "[remote]"]
+        for key, field in RemoteConfig.model_fields.items():
+            out += [f"# {' '.join((field.description or '').split())}", f"# {key} = {toml_value(REMOTE_EXAMPLE[key])}"]
+    return "\n".join(out) + "\n"

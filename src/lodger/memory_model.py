@@ -1,0 +1,162 @@
+"""The model side of the estimator: a decoder's shape from config.json, and what its pieces cost
+per token (parameters, saved activations, logits, floating-point operations).
+
+Pure arithmetic, no torch: ``memory.estimate`` adds these up with the measured and calibrated
+items (runtime, allocator, buffers). Precision facts (bytes of a value, whether autocast casts)
+come from ``train/precision.py``'s table. The op-by-op counts are explained in docs/memory.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import ModelSourceError
+
+if TYPE_CHECKING:
+    from .config import JobConfig
+    from .train.precision import Mode
+
+# Linear layers of a Llama-style decoder layer: name -> (in, out) as functions of the shape.
+_LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The architecture numbers the estimate needs, from config.json."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def module_dims(self, name: str) -> tuple[int, int]:
+        """(in, out) features of a linear layer by its name; unknown names count as hidden x hidden."""
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+                "lm_head": (h, self.vocab), "embed_tokens": (self.vocab, h)}.get(name, (h, h))
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(a * b for a, b in map(self.module_dims, _LAYER_MODULES))
+
+    @property
+    def total_params(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embeddings + self.layers * (self.layer_linear_params + 2 * self.hidden) + self.hidden
+
+
+def model_shape(config: dict[str, Any]) -> Shape:
+    """Read the architecture from a config.json dict (multimodal configs: their text_config)."""
+    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", False)}
+    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in needed if not isinstance(config.get(k), int)]
+    if missing:
+        raise ModelSourceError(f"config.json lacks {', '.join(missing)}: the memory estimate needs a "
+                               "decoder-only transformer config (Llama, Qwen, Mistral, SmolLM ...)")
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    return Shape(hidden=h, layers=config["num_hidden_layers"], heads=heads,
+                 kv_heads=config.get("num_key_value_heads") or heads,
+                 head_dim=config.get("head_dim") or h // heads,
+                 intermediate=config.get("intermediate_size") or 4 * h,
+                 vocab=config["vocab_size"], tied=bool(config.get("tie_word_embeddings", False)))
+
+
+def trainable_params(shape: Shape, method) -> int:
+    """Parameters the optimizer updates: all for `full`; r*(in+out) per adapted layer for LoRA."""
+    if method.kind == "full":
+        return shape.total_params
+    total = 0
+    for name in method.target_modules:
+        n_in, n_out = shape.module_dims(name)
+        total += method.rank * (n_in + n_out) * (1 if name in ("lm_head", "embed_tokens") else shape.layers)
+    return total
+
+
+# -- activations ------------------------------------------------------------------------------
+def _layer_bytes(shape: Shape, seq: int, method, precision: "Mode") -> float:
+    """Bytes autograd saves per token in one decoder layer (no checkpointing).
+
+    Counted from the saved tensors of each op (fp32 / bf16 autocast, SDPA on CPU):
+    RMSNorm keeps its input (and x*rsqrt when its weight trains) in fp32; each linear keeps its
+    input when its weight trains (under autocast, one bf16 cast per linear); SDPA keeps q, k, v
+    (k and v repeated to every head), the output, the log-sum-exp and a float copy of the mask
+    (seq values per token); the MLP keeps gate, silu(gate), up and their product.
+    """
+    h, q, i, e = shape.hidden, shape.q_dim, shape.intermediate, precision.value_bytes
+    half = precision.autocast  # autocast casts each linear's input (and weight) to the half dtype
+    attention = 4 * q * e + seq * e + 4 * shape.heads
+    if method.kind == "full":
+        norms = 4 * h * 4
+        linear_inputs = (5 * h if half else 2 * h) * e   # bf16: q,k,v,gate,up each cast normed input
+        return norms + linear_inputs + attention + 4 * i * e
+    targets = [t for t in method.target_modules if t not in ("lm_head", "embed_tokens")]
+    dropout = getattr(method, "dropout", 0.0) > 0
+    inputs = 0.0
+    shared: set[str] = set()
+    for name in targets:
+        n_in = shape.module_dims(name)[0]
+        if name == "o_proj":
+            continue                                  # its input is SDPA's output, kept anyway
+        if dropout:
+            inputs += n_in * (e + 1)                  # dropout output + its bool mask, per adapter
+            continue
+        group = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp",
+                 "up_proj": "mlp"}.get(name, name)
+        if half and name != "down_proj":
+            inputs += n_in * e                        # autocast casts the input once per linear
+        elif group not in shared:
+            shared.add(group)
+            inputs += n_in * e
+    lora_mid = method.rank * len(targets) * e
+    return 2 * h * 4 + inputs + lora_mid + attention + 3 * i * e
+
+
+def activation_parts(shape: Shape, tokens: int, seq: int, method, *, precision: "Mode",
+                     checkpointing: bool) -> tuple[float, float]:
+    """(saved activations, one recomputed layer) in bytes for a micro-batch of ``tokens``."""
+    layer = _layer_bytes(shape, seq, method, precision) * tokens
+    if method.kind == "full":
+        final = (8 * shape.hidden + 2 * shape.hidden if precision.autocast else 12 * shape.hidden) * tokens
+    else:
+        final = 4 * shape.hidden * tokens
+    if checkpointing:
+        # Non-reentrant checkpointing keeps each layer's input (the fp32 residual stream); the
+        # backward pass recomputes one layer at a time.
+        return shape.layers * 4 * shape.hidden * tokens + final, layer
+    return shape.layers * layer + final, 0.0
+
+
+def logits_bytes(shape: Shape, batch: int, seq: int) -> float:
+    """Peak of ``token_loss_sum`` and its backward pass: the logits, their log-softmax and the
+    logits' gradient (fp32), 12 bytes per token and vocabulary entry (measured)."""
+    return 12 * batch * seq * shape.vocab
+
+def step_flops(job: "JobConfig", model_config: dict, *, seq_len: int | None = None) -> float:
+    """Floating-point operations of one optimizer step (every micro-batch, forward and backward)."""
+    shape = model_shape(model_config)
+    cfg = job.training
+    seq = int(seq_len or job.data.max_length)
+    tokens = cfg.batch_size * seq
+    matmul = 2 * (shape.layers * shape.layer_linear_params + shape.vocab * shape.hidden) * tokens
+    attention = 4 * cfg.batch_size * seq * seq * shape.q_dim * shape.layers
+    forward = matmul + attention
+    # Backward: gradients of the inputs always; of the weights only for full fine-tuning.
+    backward = 2 * matmul + 2 * attention if job.method.kind == "full" else matmul + 2 * attention
+    recompute = (forward - 2 * shape.vocab * shape.hidden * tokens) if cfg.gradient_checkpointing else 0
+    return cfg.grad_accum * (forward + backward + recompute)
+
