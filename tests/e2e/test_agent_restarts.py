@@ -135,12 +135,14 @@ def test_a_run_that_keeps_failing_is_retried_with_growing_delays_then_given_up(t
     assert status_of(env, run_id) == "finished"
 
 
+# The stand-in takes the lock as a training process does (lodger's RunLock records its pid and
+# start time), so the agent can verify it is the run's holder; an unverifiable lock is left alone.
 LOCK_HOLDER = """
-import fcntl, os, signal, sys
+import signal, sys
+from pathlib import Path
+from lodger.runlock import RunLock
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the agent wakes the run it holds; this stand-in ignores it
-fh = open(sys.argv[1], "a+")
-fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-fh.seek(0); fh.truncate(); fh.write(str(os.getpid())); fh.flush()
+lock = RunLock(Path(sys.argv[1]).parent)
 print("locked", flush=True)
 sys.stdin.read()
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import JobFileError
+from .precision import check_device
 
 
 def pick_device(job) -> str:
@@ -20,9 +21,7 @@ def pick_device(job) -> str:
         raise JobFileError(f"[training] world_size = {world}: data-parallel training takes one GPU per process and "
                            f"this machine has {torch.cuda.device_count()}; lower world_size, or use "
                            "device = \"cpu\"")
-    if job.training.precision == "fp16" and device != "cuda":
-        raise JobFileError("[training] precision = \"fp16\" needs a GPU (loss scaling is a GPU feature); "
-                           "use \"bf16\" on the CPU")
+    check_device(job.training.precision, device)  # the precision table says which modes need a GPU
     return device
 
 
