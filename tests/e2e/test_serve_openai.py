@@ -182,8 +182,10 @@ def reference(tiny_model_dir):
     tokenizer, model = load_tokenizer(folder), load_base_model(folder).eval()
     text = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    torch.set_grad_enabled(False)
-    return model, tokenizer, ids
+    previous = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # for this module's reference loops only: later tests train in this process
+    yield model, tokenizer, ids
+    torch.set_grad_enabled(previous)
 
 
 def greedy(model, tokenizer, ids: list[int], steps: int, frequency=0.0, presence=0.0) -> str:
