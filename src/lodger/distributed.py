@@ -22,6 +22,7 @@ fixed order, and a two-rank sum is a single commutative addition):
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from dataclasses import dataclass
@@ -128,7 +129,17 @@ def init(world_size: int, device: str) -> Ranks:
     # A hold on rank 0 keeps the other ranks waiting inside a collective, for as long as the owner
     # holds: hence the long timeout. A dead rank is noticed at once (its socket closes), not by it.
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(days=30))
+    # A rank that exits with the group still up can abort in gloo's threads at interpreter exit
+    # ("terminate called without an active exception", exit -6): leave the group first.
+    atexit.register(_leave_group)
     return Ranks(rank, world)
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _die_with_parent() -> None:

@@ -36,12 +36,8 @@ def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 
         answered = state.get("state") in ("running", "held", "finished", "paused")
         if answered and _descends_from(state.get("pid"), process.pid):
             return
-        code = process.poll()
-        if code is not None:
-            if code == 0:
-                return
-            tail = (folder / "worker.out").read_text(errors="replace")[-2000:]
-            raise LodgerError(f"the background run {run_id} exited with status {code}:\n{tail}")
+        if _ended(run_id, process):
+            return
         time.sleep(0.1)
     raise LodgerError(f"the background run {run_id} did not start within {timeout:.0f} s; see {folder}/worker.out")
 
@@ -56,14 +52,19 @@ def wait_until_taken(run_id: str, process: subprocess.Popen, timeout: float = 12
     while time.monotonic() < deadline:
         if lock_pid(folder) == process.pid and is_locked(folder):
             return
-        code = process.poll()
-        if code is not None:
-            if code == 0:
-                return
-            tail = (folder / "worker.out").read_text(errors="replace")[-2000:]
-            raise LodgerError(f"the background run {run_id} exited with status {code}:\n{tail}")
+        if _ended(run_id, process):
+            return
         time.sleep(0.02)
     raise LodgerError(f"the background run {run_id} did not start within {timeout:.0f} s; see {folder}/worker.out")
+
+
+def _ended(run_id: str, process: subprocess.Popen) -> bool:
+    """True if the worker already finished well; raise with its output if it failed."""
+    code = process.poll()
+    if code is None or code == 0:
+        return code == 0
+    tail = (run_dir(run_id) / "worker.out").read_text(errors="replace")[-2000:]
+    raise LodgerError(f"the background run {run_id} exited with status {code}:\n{tail}")
 
 
 def _descends_from(pid: int | None, ancestor: int, depth: int = 3) -> bool:
