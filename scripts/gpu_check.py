@@ -97,7 +97,7 @@ def _experiments() -> None:
 
 def _strict_determinism() -> None:
     """As if configure_determinism used warn_only=False on CUDA (SDPA then picks deterministic kernels)."""
-    from lodger import session as S
+    from lodger.train import determinism as S  # (the fix has landed there: strict on CUDA)
 
     configure = S.configure_determinism
 
