@@ -26,7 +26,7 @@ from .home import home, run_dir
 from .ledger import Ledger
 from .machine import Sampler, violations
 from .restarts import RESTARTABLE, Backoff, being_started, decide
-from .runlock import holder, is_locked
+from .runlock import flock_held, holder, is_locked
 
 
 # -- the agent -------------------------------------------------------------------------------
@@ -64,15 +64,7 @@ class StarterLock:
 
 
 def starter_busy(queue_id: int) -> bool:
-    path = home() / "queue" / f"{queue_id}.lock"
-    if not path.exists():
-        return False
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
+    return flock_held(home() / "queue" / f"{queue_id}.lock")
 
 
 def agent_lock_path() -> Path:

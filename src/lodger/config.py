@@ -385,18 +385,3 @@ def to_toml(data: dict[str, Any]) -> str:
             lines += ["", f"[{section}]"]
             lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
     return "\n".join(lines).lstrip() + "\n"
-
-
-# The private spellings targets.py (seams) still imports; remove once it imports the public names.
-_Section, _describe, _read_toml, _toml_value = Section, describe, read_toml, toml_value
-
-
-def __getattr__(name: str):
-    # Job loading moved to jobfile.py; session.py, gate.py and remote/ (core's and seams' files)
-    # still import it from here. Resolved on first use, so importing config never loads the
-    # ledger or the dataset registry. Remove once they import from jobfile.
-    if name in ("load_job", "parse_job", "user_defaults", "example_job"):
-        from . import jobfile
-
-        return getattr(jobfile, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

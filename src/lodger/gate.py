@@ -101,7 +101,7 @@ def file_sha256(path: Path) -> str:
 
 def check(job_path: Path, target_name: str) -> Plan:
     """Check ``job_path`` against target ``target_name``; return the Plan or raise GateRefused."""
-    from .config import load_job
+    from .jobfile import load_job
 
     job_path = Path(job_path)
     reasons: list[str] = []

@@ -59,7 +59,6 @@ def cached_hash(path: Path) -> str:
     return digest
 
 
-_cached_hash = cached_hash  # gate.py (seams) still imports this spelling; remove once it imports cached_hash
 
 
 def _folder_hash(folder: Path) -> str:

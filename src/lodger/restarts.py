@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .runlock import flock_held
+
 RESTARTABLE = ("created", "running", "held", "interrupted", "failed")
 """Statuses of a managed run with no live process that the agent starts again."""
 PROGRESS = ("checkpoint", "finished", "paused", "gave_up")
@@ -39,14 +41,7 @@ def mark_starting(folder: Path) -> None:
 
 def being_started(folder: Path) -> bool:
     """Whether some live process holds the run's ``starting`` lock."""
-    try:
-        with open(Path(folder) / "starting", "a+") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
+    return flock_held(Path(folder) / "starting")
 
 
 @dataclass(frozen=True)

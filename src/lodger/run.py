@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import durable
-from .config import JobConfig, job_hash, load_job, to_toml, total_steps
+from .config import JobConfig, job_hash, to_toml, total_steps
+from .jobfile import load_job
 from .control import Control, clear_request
 from .data import read_jsonl, split_indices, tokenize
 from .distributed import Ranks

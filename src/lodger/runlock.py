@@ -60,8 +60,13 @@ def _take(fd: int, patience: float = 1.0) -> bool:
 
 def is_locked(folder: Path) -> bool:
     """Whether a live process holds the run's lock (i.e. something is training it now)."""
+    return flock_held(Path(folder) / LOCK)
+
+
+def flock_held(path: Path) -> bool:
+    """Whether a live process holds an flock on ``path`` (the kernel drops it when that process dies)."""
     try:
-        fd = os.open(Path(folder) / LOCK, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False  # no lock file: nobody ever took it
     try:

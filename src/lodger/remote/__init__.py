@@ -133,7 +133,7 @@ def pause(ledger, run: dict, mode: str) -> Path:
 def resume(ledger, run: dict) -> str:
     """Continue a remote run: a live one by clearing its pause requests, a stopped one by a new
     submission that resumes from the newest good checkpoint in storage. Returns what happened."""
-    from ..config import load_job, parse_job
+    from ..jobfile import load_job, parse_job
     from .sync import staged_job, sync
 
     run = sync(ledger, run)  # refuses a job.toml changed in storage since submission
