@@ -110,6 +110,7 @@ def show(run_id: str, as_json: bool) -> None:
         provenance = ledger.provenance(run["id"])
         train = ledger.metrics(run["id"], "train")
         evals = ledger.metrics(run["id"], "eval")
+        untrusted = [f"{p.where()}: {p.problem}" for p in ledger.run_problems([run["id"]])]
     run["status"] = live_status(run)
     folder = run_dir(run["id"])
     checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
@@ -118,11 +119,13 @@ def show(run_id: str, as_json: bool) -> None:
     now = progress(run, folder)
     info = {"run": run, "progress": now, "folder": str(folder), "checkpoints": checkpoints,
             "last_train": train[-1] if train else None, "last_eval": evals[-1] if evals else None,
-            "segments": len(provenance), "events": events}
+            "segments": len(provenance), "events": events, "chain_problems": untrusted}
     if as_json:
         info["provenance"] = provenance
         click.echo(json.dumps(info, indent=1, default=str))
         return
+    for problem in untrusted:  # say it first: what follows comes from rows the chain does not confirm
+        click.echo(f"WARNING   {problem}; run `lodger audit`", err=True)
     click.echo(f"run       {run['id']}  ({run['status']})")
     newest = f"; newest checkpoint at step {now['checkpoint_step']}" if now["checkpoint_step"] != now["step"] else ""
     click.echo(f"progress  step {now['step']}/{run['total_steps']}  loss {loss_text(now['loss'])}{newest}")

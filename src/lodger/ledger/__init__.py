@@ -367,6 +367,27 @@ class Ledger:
             problems += derived.compare_targets(targets)
         return problems
 
+    def run_problems(self, run_ids: list[str]) -> list[RecordProblem]:
+        """What `audit_records` would say about these runs' rows only (run, metrics, provenance).
+
+        For readers that print or judge a run (`show`, `compare`): they must not trust a row the
+        chain does not confirm. Cheap: it replays only these runs' events."""
+        marks = ",".join("?" * len(run_ids))
+        self.db.execute("BEGIN")
+        try:
+            events = [dict(r) for r in self.db.execute(
+                f"SELECT * FROM events WHERE run_id IN ({marks}) ORDER BY seq", run_ids)]
+            since = self.db.execute("SELECT since_seq FROM chain_records WHERE id=1").fetchone()
+            runs = [dict(r) for r in self.db.execute(f"SELECT * FROM runs WHERE id IN ({marks})", run_ids)]
+            metrics = [tuple(r) for r in self.db.execute(
+                f"SELECT run_id, kind, step, segment, data FROM metrics WHERE run_id IN ({marks})", run_ids)]
+            prov = [tuple(r) for r in self.db.execute(
+                f"SELECT run_id, segment, data FROM provenance WHERE run_id IN ({marks})", run_ids)]
+        finally:
+            self.db.execute("COMMIT")
+        derived = records.Records(since_seq=since[0] if since else 0).replay(events)
+        return derived.compare_runs(runs) + derived.compare_metrics(metrics) + derived.compare_provenance(prov)
+
     def last_event(self, run_id: str, kind: str) -> dict | None:
         row = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? ORDER BY seq DESC LIMIT 1",
                               (run_id, kind)).fetchone()
