@@ -320,6 +320,17 @@ class Ledger:
             return None
         return "no `queued` event records it (the entry was inserted outside lodger)"
 
+    def events_of_kinds(self, kinds: Iterable[str], run_id: str | None = None, after_seq: int = 0) -> list[dict]:
+        """Events of these kinds (all runs, or ``run_id``'s) after row ``after_seq``, in chain order,
+        ``data`` parsed: e.g. the segment ends and signs of life ckpt_interval counts interruptions in."""
+        kinds = tuple(kinds)
+        sql = f"SELECT * FROM events WHERE kind IN ({', '.join('?' * len(kinds))}) AND seq>?"
+        args: tuple = (*kinds, after_seq)
+        if run_id is not None:
+            sql, args = sql + " AND run_id=?", (*args, run_id)
+        rows = self.db.execute(sql + " ORDER BY seq", args).fetchall()
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
     def _events_of_kinds(self, kinds: tuple[str, ...]) -> list[sqlite3.Row]:
         marks = ", ".join("?" * len(kinds))
         return self.db.execute(f"SELECT * FROM events WHERE kind IN ({marks}) ORDER BY seq", kinds).fetchall()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import durable, faults
+from ..ckpt_interval import interval_for
 from ..checkpoint import CheckpointStore
 from ..config import JobConfig, job_hash
 from ..control import Control
@@ -50,12 +51,12 @@ class Prepared:
     device: str = "cpu"
 
 
-def make_sync(control, limits, job, ranks: Ranks):
-    """The way of training: one process, or data parallel (a federated mode would be chosen here)."""
-    every = job.checkpoints.every_seconds
+def make_sync(control, limits, job, ranks: Ranks, interval):
+    """The way of training: one process, or data parallel (a federated mode would be chosen here).
+    ``interval``: where save_due reads the seconds between time-based saves (ckpt_interval.py)."""
     if ranks.world_size == 1:
-        return LocalSync(control, limits, every)
-    return DataParallelSync(control, limits, every, ranks.rank, ranks.world_size)
+        return LocalSync(control, limits, interval)
+    return DataParallelSync(control, limits, interval, ranks.rank, ranks.world_size)
 
 
 class Session:
@@ -99,7 +100,8 @@ class Session:
         self.meter = prov.ComputeMeter()
         self.fingerprint = prov.numerics_fingerprint(self.device)
         self.limits = LimitWatch(job, self.device, self.dir, self.control, self.meter)
-        self.sync = make_sync(self.control, self.limits, job, ranks)
+        interval = interval_for(job.checkpoints.every_seconds, ledger if ranks.rank == 0 else None, run_id)
+        self.sync = make_sync(self.control, self.limits, job, ranks, interval)
         checkpoints, keep = self.dir / "checkpoints", job.checkpoints.keep_last
         store = CheckpointStore(checkpoints, keep, self.world_size) if self.rank == 0 else None
         self.sync.barrier()  # rank 0 has created the checkpoints folder; the others may not race it
