@@ -149,12 +149,12 @@ class IntervalChoice:
     formula: float            # Daly's optimum before the bounds
     bound: str | None         # "floor" (10 x C) or "ceiling" (1 h) when one applied
     expected_loss: float      # seconds of work redone per interruption at this interval
-    measured: int = 0         # checkpoint times C came from (0: the prior cost)
+    costs_measured: int = 0   # checkpoint times C came from (0: the prior cost)
 
     def as_event(self) -> dict:
         """The event's data: every input, and where the cost and the rate came from."""
         data = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
-        data["cost_source"] = "measured" if self.measured else "prior"
+        data["cost_source"] = "measured" if self.costs_measured else "prior"
         data["rate_source"] = "history" if self.hours_at_risk > 0 or self.interruptions else "prior"
         return data
 
@@ -166,7 +166,7 @@ def describe_event(data: dict) -> str:
     """One line for people from a ``checkpoint_interval`` event's data (``lodger show``, the log)."""
     bound = {"floor": f", raised to {FLOOR_FACTOR:g} x the checkpoint cost",
              "ceiling": f", capped at {CEILING_SECONDS / 60:g} minutes"}.get(data.get("bound") or "", "")
-    measured = data.get("measured", 0)
+    measured = data.get("costs_measured", 0)
     cost = (f"checkpoint cost {data['cost']:.2f} s, median of the last {min(measured, 5)} measured" if measured
             else f"checkpoint cost {data['cost']:.2f} s, a prior until one is measured")
     history = (f"{data['interruptions']} in {data['hours_at_risk']:.1f} h of training on this machine and"

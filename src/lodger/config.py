@@ -133,8 +133,10 @@ class GuardConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: Int = Field(50, ge=0)
-    """Commit a checkpoint every this many optimizer steps (0: only by time, on stop and at the end)."""
+    every_steps: Int = Field(0, ge=0)
+    """Also commit a checkpoint every this many optimizer steps (0, the default: by time, on stop and
+    at the end). A number of steps is a guess at a time that depends on the model and machine;
+    every_seconds = "auto" makes the choice."""
     every_seconds: Float | Literal["auto"] = "auto"
     """Also commit one when this many seconds have passed since the last (checked at step boundaries);
     0: never by time. "auto" (the default) chooses the interval that loses least: Young/Daly's
@@ -142,7 +144,7 @@ class CheckpointConfig(Section):
     kills, power cuts) this machine's ledger has seen, with a prior of one a day when there is no
     history; re-chosen after each checkpoint and recorded as `checkpoint_interval` events (`lodger
     show` prints it). The default, because a number here is a guess and a wrong guess costs either
-    saving time or lost work; every_steps saves still come on top (set it to 0 to leave it to time)."""
+    saving time or lost work; every_steps (off by default) adds step-based saves on top."""
     keep_last: Int = Field(3, ge=2)
     """How many committed checkpoints to keep (at least 2, so a damaged newest one has a fallback)."""
 

@@ -171,7 +171,7 @@ def test_auto_in_a_run_reads_the_real_ledger_chooses_records_and_rechooses_on_ne
         assert auto.seconds(100.0) == auto.choice.seconds  # asked again with nothing new: no new event
         first = [e["data"] for e in ledger.events("me") if e["kind"] == "checkpoint_interval"]
         assert len(first) == 1 and first[0]["cost_source"] == "prior" and first[0]["rate_source"] == "history"
-        assert first[0]["interruptions"] == 2 and first[0]["measured"] == 0
+        assert first[0]["interruptions"] == 2 and first[0]["costs_measured"] == 0
 
         ledger.event("me", "checkpoint", step=2, path="step-00000002", seconds=0.05)
         moved = auto.seconds(200.0)  # last_save moved: a checkpoint was committed
@@ -182,7 +182,7 @@ def test_auto_in_a_run_reads_the_real_ledger_chooses_records_and_rechooses_on_ne
         events = [e["data"] for e in ledger.events("me") if e["kind"] == "checkpoint_interval"]
     assert len(events) == 2  # 0.051 s moved the interval by 1 %: not recorded again
     last = events[-1]
-    assert (last["measured"], last["cost"], last["cost_source"]) == (1, 0.05, "measured")
+    assert (last["costs_measured"], last["cost"], last["cost_source"]) == (1, 0.05, "measured")
     assert last["seconds"] == pytest.approx(daly_interval(0.05, mtbi), abs=1e-3)
     assert last["expected_loss"] == pytest.approx(
         expected_loss_per_interruption(daly_interval(0.05, mtbi), 0.05, mtbi), abs=1e-3)

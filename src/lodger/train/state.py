@@ -51,12 +51,12 @@ class Prepared:
     device: str = "cpu"
 
 
-def make_sync(control, limits, job, ranks: Ranks, interval):
-    """The way of training: one process, or data parallel (a federated mode would be chosen here).
-    ``interval``: where save_due reads the seconds between time-based saves (ckpt_interval.py)."""
+def make_sync(control, limits, job, ranks: Ranks):
+    """The way of training: one process, or data parallel (a federated mode would be chosen here)."""
+    every = job.checkpoints.every_seconds
     if ranks.world_size == 1:
-        return LocalSync(control, limits, interval)
-    return DataParallelSync(control, limits, interval, ranks.rank, ranks.world_size)
+        return LocalSync(control, limits, every)
+    return DataParallelSync(control, limits, every, ranks.rank, ranks.world_size)
 
 
 class Session:
@@ -100,8 +100,9 @@ class Session:
         self.meter = prov.ComputeMeter()
         self.fingerprint = prov.numerics_fingerprint(self.device)
         self.limits = LimitWatch(job, self.device, self.dir, self.control, self.meter)
-        interval = interval_for(job.checkpoints.every_seconds, ledger if ranks.rank == 0 else None, run_id)
-        self.sync = make_sync(self.control, self.limits, job, ranks, interval)
+        self.sync = make_sync(self.control, self.limits, job, ranks)
+        # "auto" reads and records in the run's ledger, which only rank 0 has (ckpt_interval.py)
+        self.sync.interval = interval_for(job.checkpoints.every_seconds, ledger if ranks.rank == 0 else None, run_id)
         checkpoints, keep = self.dir / "checkpoints", job.checkpoints.keep_last
         store = CheckpointStore(checkpoints, keep, self.world_size) if self.rank == 0 else None
         self.sync.barrier()  # rank 0 has created the checkpoints folder; the others may not race it

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..ckpt_interval import interval_for
 from ..control import ReleaseRequested
 
 
@@ -28,9 +29,11 @@ class LocalSync:
 
     rank, world_size, writes, saves_alone = 0, 1, True, True
 
-    def __init__(self, control, limits, interval):
-        # interval.seconds(last_save): seconds between time-based saves, None for none (ckpt_interval.py)
-        self.control, self.limits, self.interval = control, limits, interval
+    def __init__(self, control, limits, every_seconds: float | str | None):
+        self.control, self.limits = control, limits
+        # interval.seconds(last_save): seconds between time-based saves, None for none. "auto" needs
+        # the run's ledger: the Session sets the live one (ckpt_interval.AutoInterval) on rank 0.
+        self.interval = interval_for(every_seconds, None, "")
 
     def start(self, model) -> bool:
         from .step import install_yield_points
@@ -72,8 +75,8 @@ class DataParallelSync:
 
     saves_alone = False  # a lone rank 0 save would wait for the others at the barrier
 
-    def __init__(self, control, limits, interval, rank: int, world_size: int):
-        self.control, self.limits, self.interval = control, limits, interval
+    def __init__(self, control, limits, every_seconds: float | str | None, rank: int, world_size: int):
+        self.control, self.limits, self.interval = control, limits, interval_for(every_seconds, None, "")
         self.rank, self.world_size, self.writes = rank, world_size, rank == 0
         self.flags = (False, False, False)
 
