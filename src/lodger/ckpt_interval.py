@@ -163,7 +163,15 @@ class IntervalChoice:
 
 
 def describe_event(data: dict) -> str:
-    """One line for people from a ``checkpoint_interval`` event's data (``lodger show``, the log)."""
+    """One line for people from a ``checkpoint_interval`` event's data (``lodger show``); an event
+    this version cannot read (another version wrote it) gives a line saying so, not an error."""
+    try:
+        return _describe(data)
+    except (KeyError, TypeError, ValueError):
+        return f"checkpoint interval recorded in a form this version does not read: {data!r}"
+
+
+def _describe(data: dict) -> str:
     bound = {"floor": f", raised to {FLOOR_FACTOR:g} x the checkpoint cost",
              "ceiling": f", capped at {CEILING_SECONDS / 60:g} minutes"}.get(data.get("bound") or "", "")
     measured = data.get("costs_measured", 0)

@@ -197,3 +197,4 @@ def test_a_fixed_interval_and_a_rank_without_the_ledger_never_touch_it() -> None
     assert interval_for(0.0, None, "r").seconds(1.0) is None  # 0: no time-based checkpoints
     assert isinstance(interval_for("auto", None, "r"), FixedInterval)  # ranks > 0: rank 0 decides
     assert describe_event(choose_interval([], History()).as_event()).count("no history yet, only a prior") == 1
+    assert describe_event({"seconds": "soon"}).startswith("checkpoint interval recorded in a form this version")
