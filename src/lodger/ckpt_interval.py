@@ -233,10 +233,11 @@ class AutoInterval:
 
     Chosen at the first ``seconds()`` call, which the loop makes after this segment's
     ``started``/``resumed`` is recorded (so a previous process of this run that died counts);
-    chosen again whenever ``last_save`` moves (a checkpoint was committed: its measured cost is
-    read from the ledger's new ``checkpoint`` events of this run). A ``checkpoint_interval`` event
-    records the first choice of each segment and every later one more than 20 % away from the
-    last recorded."""
+    chosen again whenever ``last_save`` moves and a new checkpoint was committed: its measured
+    cost is read from the ledger's new ``checkpoint`` events of this run, and the history again
+    (this segment's own time at risk grows; another run may have died meanwhile). A
+    ``checkpoint_interval`` event records the first choice of each segment and every later one
+    more than 20 % away from the last recorded."""
 
     def __init__(self, ledger, run_id: str):
         self.ledger, self.run_id = ledger, run_id
@@ -245,11 +246,10 @@ class AutoInterval:
         self.recorded: float | None = None
 
     def seconds(self, last_save: float | None = None) -> float:
-        if self.choice is None:
+        if self.choice is None or (last_save != self.last_save and self._measure()):
+            if self.choice is None:
+                self._measure()
             self.history = machine_history(self.ledger, self.run_id)
-            self._measure()
-            self._choose()
-        elif last_save != self.last_save and self._measure():
             self._choose()
         self.last_save = last_save
         return self.choice.seconds

@@ -180,8 +180,19 @@ def test_auto_in_a_run_reads_the_real_ledger_chooses_records_and_rechooses_on_ne
         ledger.event("me", "checkpoint", step=4, path="step-00000004", seconds=9.0, recovered=True)  # not measured here
         assert auto.seconds(300.0) == pytest.approx(daly_interval(0.051, mtbi))  # median of 0.05, 0.052
         events = [e["data"] for e in ledger.events("me") if e["kind"] == "checkpoint_interval"]
-    assert len(events) == 2  # 0.051 s moved the interval by 1 %: not recorded again
-    last = events[-1]
+        assert len(events) == 2  # 0.051 s moved the interval by 1 %: not recorded again
+        for run in ("oom-1", "oom-2"):  # meanwhile two other runs fail: the next checkpoint reads them
+            _run(ledger, run, "running")
+            ledger.set_status(run, "failed", error="RuntimeError: out of memory", step=0)
+        assert auto.seconds(300.0) == pytest.approx(daly_interval(0.051, mtbi))  # no new checkpoint: as it was
+        ledger.event("me", "checkpoint", step=6, path="step-00000006", seconds=0.051)
+        later = interruption_history(ledger.events())
+        assert later.interruptions == 4
+        mtbi_later = (PRIOR_HOURS * 3600 + later.seconds_at_risk) / 5
+        assert auto.seconds(400.0) == pytest.approx(daly_interval(0.051, mtbi_later))  # sqrt(3/5): 23 % shorter
+        events = [e["data"] for e in ledger.events("me") if e["kind"] == "checkpoint_interval"]
+    assert len(events) == 3 and events[-1]["interruptions"] == 4 and events[-1]["costs_measured"] == 3
+    last = events[1]
     assert (last["costs_measured"], last["cost"], last["cost_source"]) == (1, 0.05, "measured")
     assert last["seconds"] == pytest.approx(daly_interval(0.05, mtbi), abs=1e-3)
     assert last["expected_loss"] == pytest.approx(
@@ -190,7 +201,6 @@ def test_auto_in_a_run_reads_the_real_ledger_chooses_records_and_rechooses_on_ne
     assert line.startswith(f"checkpoint every {last['seconds']:.0f} s (checkpoint cost 0.05 s, median of the last 1")
     assert f"from 2 in {history.seconds_at_risk / 3600:.1f} h of training" in line
     assert line.endswith(f"expected work lost per interruption {last['expected_loss']:.0f} s")
-
 
 def test_a_fixed_interval_and_a_rank_without_the_ledger_never_touch_it() -> None:
     assert interval_for(600.0, None, "r").seconds(1.0) == 600.0

@@ -64,19 +64,22 @@ def test_auto_picks_the_formulas_interval_from_the_ledger_and_show_prints_it(tmp
     saves = [e["data"]["seconds"] for e in info["events"] if e["kind"] == "checkpoint"]
     assert len(saves) == 2 and len(chosen) == 2, chosen
 
-    mtbi = (24 * 3600 + at_risk) / (1 + 3)  # the stated prior (1 per 24 h) plus 3 interruptions
-    for data, cost, measured in ((chosen[0], 1.0, 0), (chosen[1], saves[0], 1)):
+    started = next(e["time"] for e in info["events"] if e["kind"] == "started")
+    first_save = next(e["time"] for e in info["events"] if e["kind"] == "checkpoint")
+    # chosen at step 1 (this run's own segment has no time at risk yet) and again at step 3, after
+    # the first save: the history read again then holds this run's segment up to that save
+    for data, cost, measured, own in ((chosen[0], 1.0, 0, 0.0), (chosen[1], saves[0], 1, first_save - started)):
+        mtbi = (24 * 3600 + at_risk + own) / (1 + 3)  # the stated prior (1 per 24 h) plus 3 interruptions
         ratio = cost / (2 * mtbi)
         daly = math.sqrt(2 * cost * mtbi) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - cost
         assert (data["interruptions"], data["costs_measured"], data["bound"]) == (3, measured, None), data
         assert data["rate_source"] == "history" and data["cost_source"] == ("measured" if measured else "prior")
         assert data["cost"] == pytest.approx(cost, abs=1e-3)
-        # this run's own open segment adds its first seconds to the time at risk: rel 1e-3
-        assert data["mtbi"] == pytest.approx(mtbi, rel=1e-3)
-        assert data["seconds"] == pytest.approx(daly, rel=1e-3)
+        assert data["mtbi"] == pytest.approx(mtbi, abs=1e-3)  # the event rounds to 3 decimals
+        assert data["seconds"] == pytest.approx(daly, abs=1e-3)
         cycle = daly + cost  # work lost on average: the Poisson mean of the time since the last commit
         lost = mtbi - cycle * math.exp(-cycle / mtbi) / -math.expm1(-cycle / mtbi)
-        assert data["expected_loss"] == pytest.approx(lost, rel=1e-3)
+        assert data["expected_loss"] == pytest.approx(lost, abs=1e-3)
 
     text = run_lodger(["show", run_id], env)
     assert text.returncode == 0, describe(text)
