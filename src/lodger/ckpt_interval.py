@@ -256,7 +256,7 @@ class AutoInterval:
 
     def _measure(self) -> bool:
         """Read this run's checkpoint times committed since the last read; True when there are new ones."""
-        new = self.ledger.events_of_kinds(("checkpoint",), self.run_id, after_seq=self.seen)
+        new = self.ledger.run_events_after(self.run_id, "checkpoint", self.seen)
         if new:
             self.seen = new[-1]["seq"]
         fresh = [e["data"]["seconds"] for e in new

@@ -320,16 +320,9 @@ class Ledger:
             return None
         return "no `queued` event records it (the entry was inserted outside lodger)"
 
-    def events_of_kinds(self, kinds: Iterable[str], run_id: str | None = None, after_seq: int = 0) -> list[dict]:
-        """Events of these kinds (all runs, or ``run_id``'s) after row ``after_seq``, in chain order,
-        ``data`` parsed: e.g. the segment ends and signs of life ckpt_interval counts interruptions in."""
-        kinds = tuple(kinds)
-        sql = f"SELECT * FROM events WHERE kind IN ({', '.join('?' * len(kinds))}) AND seq>?"
-        args: tuple = (*kinds, after_seq)
-        if run_id is not None:
-            sql, args = sql + " AND run_id=?", (*args, run_id)
-        rows = self.db.execute(sql + " ORDER BY seq", args).fetchall()
-        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+    def events_of_kinds(self, kinds: tuple[str, ...]) -> list[dict]:
+        """Every event of these kinds, in chain order, with its data decoded (an indexed lookup)."""
+        return [{**dict(r), "data": json.loads(r["data"])} for r in self._events_of_kinds(kinds)]
 
     def _events_of_kinds(self, kinds: tuple[str, ...]) -> list[sqlite3.Row]:
         marks = ", ".join("?" * len(kinds))
@@ -377,6 +370,13 @@ class Ledger:
         if targets is not None:
             problems += derived.compare_targets(targets)
         return problems
+
+    def run_events_after(self, run_id: str, kind: str, after_seq: int = 0) -> list[dict]:
+        """``run_id``'s events of ``kind`` after row ``after_seq``, in chain order, data decoded
+        (what a run reads as it goes, e.g. its new checkpoint times: ckpt_interval.py)."""
+        rows = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? AND seq>? ORDER BY seq",
+                               (run_id, kind, after_seq)).fetchall()
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
     def last_event(self, run_id: str, kind: str) -> dict | None:
         row = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? ORDER BY seq DESC LIMIT 1",
