@@ -129,6 +129,13 @@ class Ledger:
         rows = self.db.execute(sql + " ORDER BY seq", args).fetchall()
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
+    def run_events_after(self, run_id: str, kind: str, after_seq: int = 0) -> list[dict]:
+        """``run_id``'s events of ``kind`` after row ``after_seq``, in chain order, data decoded
+        (what a run reads as it goes, e.g. its new checkpoint times: ckpt_interval.py)."""
+        rows = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? AND seq>? ORDER BY seq",
+                               (run_id, kind, after_seq)).fetchall()
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
     def audit(self) -> tuple[int, list[AuditProblem]]:
         """Walk the chain; return (rows checked, problems). No problems means the chain is intact."""
         problems: list[AuditProblem] = []
@@ -370,13 +377,6 @@ class Ledger:
         if targets is not None:
             problems += derived.compare_targets(targets)
         return problems
-
-    def run_events_after(self, run_id: str, kind: str, after_seq: int = 0) -> list[dict]:
-        """``run_id``'s events of ``kind`` after row ``after_seq``, in chain order, data decoded
-        (what a run reads as it goes, e.g. its new checkpoint times: ckpt_interval.py)."""
-        rows = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? AND seq>? ORDER BY seq",
-                               (run_id, kind, after_seq)).fetchall()
-        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
     def last_event(self, run_id: str, kind: str) -> dict | None:
         row = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? ORDER BY seq DESC LIMIT 1",
