@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import durable, faults
-from ..ckpt_interval import interval_for
 from ..checkpoint import CheckpointStore
+from ..ckpt_interval import interval_for
 from ..config import JobConfig, job_hash
 from ..control import Control
 from ..data import DataFile, Sampler, TokenizedSet
