@@ -157,6 +157,11 @@ def show(run_id: str, as_json: bool) -> None:
         measured = f", measured peak {peak / 2**30:.2f} GiB (ratio {peak / estimate['total_bytes']:.2f})" if peak else ""
         click.echo(f"memory    estimated {estimate['total_bytes'] / 2**30:.2f} GiB on {estimate['device']} "
                    f"(largest: {estimate['largest']}){measured}{' [forced past pre-flight]' if estimate['forced'] else ''}")
+    interval = next((e["data"] for e in reversed(events) if e["kind"] == "checkpoint_interval"), None)
+    if interval:
+        from ..ckpt_interval import describe_event
+
+        click.echo(f"interval  {describe_event(interval)}")
     click.echo("events:")
     for e in events:
         data = ", ".join(f"{k}={_human(v)}" for k, v in e["data"].items()

@@ -129,6 +129,13 @@ class Ledger:
         rows = self.db.execute(sql + " ORDER BY seq", args).fetchall()
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
+    def run_events_after(self, run_id: str, kind: str, after_seq: int = 0) -> list[dict]:
+        """``run_id``'s events of ``kind`` after row ``after_seq``, in chain order, data decoded
+        (what a run reads as it goes, e.g. its new checkpoint times: ckpt_interval.py)."""
+        rows = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? AND seq>? ORDER BY seq",
+                               (run_id, kind, after_seq)).fetchall()
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
     def audit(self) -> tuple[int, list[AuditProblem]]:
         """Walk the chain; return (rows checked, problems). No problems means the chain is intact."""
         problems: list[AuditProblem] = []
@@ -319,6 +326,10 @@ class Ledger:
                         f"(sha256 {data['job_sha256']}, event row {e['seq']}): it was edited in the ledger")
             return None
         return "no `queued` event records it (the entry was inserted outside lodger)"
+
+    def events_of_kinds(self, kinds: tuple[str, ...]) -> list[dict]:
+        """Every event of these kinds, in chain order, with its data decoded (an indexed lookup)."""
+        return [{**dict(r), "data": json.loads(r["data"])} for r in self._events_of_kinds(kinds)]
 
     def _events_of_kinds(self, kinds: tuple[str, ...]) -> list[sqlite3.Row]:
         marks = ", ".join("?" * len(kinds))
