@@ -67,6 +67,11 @@ class ExportError(LodgerError):
     exit_code = 2
 
 
+class FederatedError(LodgerError):
+    """A federated run cannot start or go on as asked (Flower process, round, message); the message
+    names what and the fix."""
+
+
 class GateRefused(LodgerError):
     """`lodger submit` refused a job: the message lists every failed check; nothing was submitted."""
 
