@@ -100,7 +100,7 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
               wait_seconds: float = 3600.0) -> tuple[str, Path]:
     """Train this round as a local lodger run (or reuse/resume the one made for it); return the run
     id and its adapter folder."""
-    from ..home import run_dir
+    from ..home import private_mkdir, run_dir
     from ..ledger import Ledger
     from ..run import create_run, execute, resume_prepared
     from ..runlock import is_locked
@@ -116,6 +116,7 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
             status = execute(earlier, resume_prepared(earlier), resuming=True, quiet=True)
             return _finished(earlier, status)
     folder = _client_folder(order.job_id) / f"round-{order.round:06d}"
+    private_mkdir(folder)
     received = write_received(folder / "received", order.tensors, (read_toml(job_path, "job file").get("method") or {})) \
         if order.tensors else None
     job_file = folder / "job.toml"
@@ -191,7 +192,7 @@ def check_client(client_id: str, dataset: str) -> dict:
     if not CLIENT_ID.match(client_id or ""):
         raise FederatedError(f"node config client-id = {client_id!r}: use letters, digits, '_', '.', '-'")
     registered = get(dataset)
-    if getattr(registered, "may_federate", True) is False or not registered.may_train:
+    if not registered.may_federate or not registered.may_train:
         raise FederatedError(f"dataset {dataset!r} is not registered for federated use; its owner can allow it "
                              f"with `lodger data grant {dataset} --federate`; nothing was sent")
     return {"name": registered.name, "sha256": registered.sha256, "lines": registered.lines}

@@ -11,6 +11,7 @@ No torch, no flwr import here: these helpers only build command lines and poll s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,15 +39,58 @@ class Started:
     address: str
     log: Path
 
+    def tree(self) -> list:
+        """The process and everything it started (Flower's SuperExec, ServerApp and ClientApp
+        processes run in sessions of their own, so a process group does not hold them)."""
+        import psutil
+
+        found: dict[int, psutil.Process] = {}
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(self.process.pid)
+            found = {p.pid: p for p in [root, *root.children(recursive=True)]}
+        # A Flower process names its parent with --parent-pid and stops when that parent goes; one
+        # whose parent died unreaped (a zombie still holds the pid) lingers, reparented to init.
+        grew = True
+        while grew:
+            grew = False
+            for proc in psutil.process_iter(["cmdline"]):
+                cmd = proc.info.get("cmdline") or []
+                if proc.pid not in found and "--parent-pid" in cmd:
+                    index = cmd.index("--parent-pid") + 1
+                    if index < len(cmd) and cmd[index].isdigit() and int(cmd[index]) in found | {self.process.pid: 0}:
+                        found[proc.pid], grew = proc, True
+        return list(found.values())
+
+    def kill(self) -> None:
+        """SIGKILL the whole tree at once, as a power cut would (frozen first, so none reacts)."""
+        import psutil
+
+        procs = self.tree()
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.suspend()
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        self.process.wait()
+        psutil.wait_procs(procs, timeout=10)
+
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout`` seconds; waits for the process."""
+        """SIGTERM the tree, then SIGKILL what is left after ``timeout`` seconds; waits for it."""
+        import psutil
+
+        procs = self.tree()
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=timeout)
         if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            self.process.kill()
+        self.process.wait()  # reaped: no zombie keeps a --parent-pid alive
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -119,11 +163,15 @@ def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
 
 
 def start_superlink(home: Path, port: int, *, host: str = "127.0.0.1", insecure: bool = True,
-                    database: Path | None = None, env: dict[str, str] | None = None) -> Started:
+                    database: Path | None | bool = True, env: dict[str, str] | None = None) -> Started:
     """Start `flower-superlink` (Fleet, Control and runtime APIs on one HTTP port in Flower 1.42).
 
     Its ServerApp runs in a subprocess of it and inherits ``env`` (e.g. LODGER_HOME of the server
-    side). ``database``: Flower's state file (in memory when None)."""
+    side). ``database``: Flower's state file, by default HOME/flwr/superlink.db, so a SuperLink
+    started again after a crash still knows its SuperNodes (with state in memory it forgets them,
+    and each SuperNode, refused as unknown, shuts down); False keeps it in memory."""
+    if database is True:
+        database = Path(home) / "flwr" / "superlink.db"
     address = f"{host}:{port}"
     check_insecure(address, insecure)
     log = Path(home) / "flwr" / "superlink.log"
