@@ -60,7 +60,8 @@ def expected_tensors(model: Path, rank: int) -> dict[str, int]:
 def test_the_federated_gate_permission_plan_approval_and_the_owners_hold(tmp_path: Path, lodger_home: Path,
                                                                          tiny_model_dir: Path,
                                                                          chat_data: dict[str, Path]) -> None:
-    from lodger.federated.owner import round_verdict
+    from lodger.federated.owner import participation, round_verdict
+    from lodger.ledger import Ledger
     from lodger.federated.processes import free_port, start_superlink
     from lodger.jobfile import load_job
 
@@ -115,8 +116,12 @@ def test_the_federated_gate_permission_plan_approval_and_the_owners_hold(tmp_pat
         assert "fedjob.clinic-a  HELD by the owner" in status and "1 declined (last: round 1: the owner holds" \
             in status, status
         lodger(["federate", job, "--continue"], home)
-        assert json.loads(lodger(["status", "--json"], home).stdout)["federated"][0]["held"] is False
+        with Ledger() as ledger:
+            assert participation(ledger)[0]["held"] is False
         assert round_verdict(home, load_job(job), "clinic-a", round=2) is None
+
+        os.killpg(node_pid, signal.SIGTERM)  # no client trains while the app below waits for one
+        wait_until(lambda: _gone(node_pid), 30, what="the SuperNode gone")
 
         # 5. the coordinating side: the same plan, approved, and the app submitted with `flwr run`.
         submitted = lodger(["submit", job, "--federated", "--server", link.address, "--insecure", "--approve"], home)
@@ -125,14 +130,15 @@ def test_the_federated_gate_permission_plan_approval_and_the_owners_hold(tmp_pat
         [started] = events(home, "federated_run_started")
         assert started["flower_run_id"] == flower_run and events(home, "federate_approved")[-1]["side"] == "server"
     finally:
-        if node_pid is not None:
+        if node_pid is not None and not _gone(node_pid):
             os.killpg(node_pid, signal.SIGTERM)  # the SuperNode runs in its own session
         link.stop()
-    wait_until(lambda: not os.path.exists(f"/proc/{node_pid}") or _zombie(node_pid), 30, what="the SuperNode gone")
-    assert lodger(["audit"], home).returncode == 0
+    with Ledger() as ledger:
+        assert ledger.audit()[1] == [] and ledger.audit_records() == []
 
 
-def _zombie(pid: int) -> bool:
+def _gone(pid: int) -> bool:
+    """Exited (a zombie left for its parent to reap counts as gone)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] == "Z"

@@ -101,13 +101,15 @@ def approved(job: Path, side: str, server: str, approve: bool, as_json: bool, in
               help="The CA certificate that signed the SuperLink's TLS certificate.")
 @click.option("--auth-key", type=click.Path(dir_okay=False, path_type=Path),
               help="This SuperNode's private key (node authentication; its public key is registered there).")
+@click.option("--client-id", help="This machine's name in the federation (letters, digits, `_`, `.`, `-`); "
+                                  "default: HOSTNAME.DATASET. The server aggregates in client-id order.")
 @click.option("--detach", is_flag=True, help="Return once the SuperNode runs (it keeps running in the background).")
 @click.option("--hold", "hold_", is_flag=True, help="Decline this job's rounds from now on (the owner wants the "
                                                     "machine); starts nothing.")
 @click.option("--continue", "continue_", is_flag=True, help="Take this job's rounds again after --hold.")
 def federate(job: Path, server: str | None, approve: bool, as_json: bool, insecure: bool,
-             root_certificates: Path | None, auth_key: Path | None, detach: bool, hold_: bool,
-             continue_: bool) -> None:
+             root_certificates: Path | None, auth_key: Path | None, client_id: str | None, detach: bool,
+             hold_: bool, continue_: bool) -> None:
     """Join a federated job with this machine's dataset: print what will leave, ask, start a SuperNode.
 
     JOB is the federated job file with `[data] train` naming this owner's registered dataset,
@@ -128,8 +130,9 @@ def federate(job: Path, server: str | None, approve: bool, as_json: bool, insecu
         return _hold(job, hold_)
     if not server:
         raise click.UsageError("--server HOST:PORT is needed to join (or pass --hold / --continue)")
+    client_id = _client_id(client_id, job)
     plan = approved(job, "client", server, approve, as_json, insecure)
-    started = _start_supernode(plan, insecure, root_certificates, auth_key)
+    started = _start_supernode(plan, client_id, insecure, root_certificates, auth_key)
     click.echo(f"SuperNode for {plan.participation()} runs (pid {started.process.pid}); its log: {started.log}",
                err=as_json)
     if detach:
@@ -155,7 +158,27 @@ def _hold(job: Path, hold: bool) -> None:
         click.echo(f"continuing {owner.participation_id(loaded, dataset)}: rounds are taken again")
 
 
-def _start_supernode(plan, insecure: bool, root_certificates: Path | None, auth_key: Path | None):
+def _client_id(given: str | None, job: Path) -> str:
+    """The given id, checked; or HOSTNAME.DATASET made into a valid id (before anything is asked)."""
+    import re
+    import socket
+
+    from ..datasets import NAME_PATTERN  # the same rule as messages.CLIENT_ID (which imports flwr)
+
+    if given is not None:
+        if not NAME_PATTERN.match(given):
+            raise click.BadParameter(f"{given!r}: use letters, digits, `_`, `.`, `-` (at most 64)",
+                                     param_hint="--client-id")
+        return given
+    from ..config import read_toml
+
+    train = str((read_toml(job, "job file").get("data") or {}).get("train", "data"))
+    name = f"{socket.gethostname()}.{train.removeprefix('dataset:').rsplit('/', 1)[-1]}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip("_.-")[:64] or "client"
+
+
+def _start_supernode(plan, client_id: str, insecure: bool, root_certificates: Path | None,
+                     auth_key: Path | None):
     from ..errors import FederatedError
     from ..federated import owner
     from ..federated.processes import start_supernode
@@ -163,7 +186,8 @@ def _start_supernode(plan, insecure: bool, root_certificates: Path | None, auth_
 
     folder = owner.participation_dir(home(), plan.job, plan.dataset)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    node_config = {"lodger-home": str(home()), "dataset": plan.dataset, "job": str(plan.job_path)}
+    node_config = {"lodger-home": str(home()), "dataset": plan.dataset, "job": str(plan.job_path),
+                   "client-id": client_id}
     extra = [*(["--root-certificates", str(root_certificates)] if root_certificates else []),
              *(["--auth-supernode-private-key", str(auth_key)] if auth_key else [])]
     if not extra:

@@ -33,7 +33,8 @@ from ..errors import FederationRefused, LodgerError
 
 APPROVED, DECLINED, TAKEN, PERMISSION, HELD = ("federate_approved", "federated_round_declined",
                                                "federated_round_taken", "federated_permission", "federated_held")
-KINDS = (APPROVED, DECLINED, TAKEN, PERMISSION, HELD)
+CLIENT_ROUND = "federated_client_round"  # the ClientApp's record of a round it trained (client.py)
+KINDS = (APPROVED, DECLINED, TAKEN, PERMISSION, HELD, CLIENT_ROUND)
 POLICY_WINDOW_SECONDS = 0.5
 """How long other processes' CPU share is measured before a round (the agent measures per tick)."""
 
@@ -145,14 +146,42 @@ def _policy_reasons(job) -> list[str]:
     return violations(policy, measured)
 
 
-def usage(ledger, participation: str) -> dict:
-    """Rounds taken, their wall and CPU seconds, and when the owner approved (None: never)."""
-    taken = [e for e in ledger.events_of_kinds((TAKEN,)) if e["data"].get("participation") == participation]
+def _since_approval(ledger, participation: str) -> tuple[int, float | None]:
+    """(seq, time) of the owner's latest approval of this participation; (0, None) if none."""
     approved = [e for e in ledger.events_of_kinds((APPROVED,)) if e["data"].get("participation") == participation]
-    return {"rounds": len({e["data"].get("round") for e in taken}),
-            "wall_seconds": sum(float(e["data"].get("wall_seconds") or 0) for e in taken),
-            "cpu_seconds": sum(float(e["data"].get("cpu_seconds") or 0) for e in taken),
-            "approved_at": approved[-1]["time"] if approved else None}
+    return (approved[-1]["seq"], approved[-1]["time"]) if approved else (0, None)
+
+
+def taken_rounds(ledger, job, dataset) -> list[dict]:
+    """Rounds this machine trained for this participation since the owner approved it: recorded
+    by ``round_taken`` or by the ClientApp's `federated_client_round` (its round's run then says
+    the wall and CPU seconds); one row per round run."""
+    from ..compare import total_compute
+
+    participation, name = participation_id(job, dataset), _name(dataset)
+    since, _ = _since_approval(ledger, participation)
+    rows, seen = [], set()
+    for e in ledger.events_of_kinds((TAKEN, CLIENT_ROUND)):
+        data = e["data"]
+        if e["seq"] <= since:
+            continue
+        if e["kind"] == TAKEN and data.get("participation") == participation:
+            rows.append({"round": data.get("round"), "wall_seconds": float(data.get("wall_seconds") or 0),
+                         "cpu_seconds": float(data.get("cpu_seconds") or 0)})
+        elif e["kind"] == CLIENT_ROUND and (data.get("dataset") or {}).get("name") == name and e["run_id"] not in seen:
+            seen.add(e["run_id"])  # a round sent again (the server restarted) is one round's compute
+            compute = total_compute(ledger.events(e["run_id"])) if e["run_id"] else {}
+            rows.append({"round": data.get("round"), "wall_seconds": compute.get("wall_seconds") or 0.0,
+                         "cpu_seconds": compute.get("cpu_seconds") or 0.0})
+    return rows
+
+
+def usage(ledger, job, dataset) -> dict:
+    """Rounds taken, their wall and CPU seconds, and when the owner approved (None: never)."""
+    taken = taken_rounds(ledger, job, dataset)
+    return {"rounds": len({r["round"] for r in taken}), "wall_seconds": sum(r["wall_seconds"] for r in taken),
+            "cpu_seconds": sum(r["cpu_seconds"] for r in taken),
+            "approved_at": _since_approval(ledger, participation_id(job, dataset))[1]}
 
 
 def _limit_reasons(job, used: dict, now: float) -> list[str]:
@@ -177,16 +206,24 @@ def _limit_reasons(job, used: dict, now: float) -> list[str]:
     return reasons
 
 
-def round_verdict(home: Path, job, dataset, *, round: int | None = None) -> str | None:
+def round_verdict(home: Path, job=None, dataset=None, *, round: int | None = None) -> str | None:
     """None when this machine takes the round now; else why it declines (recorded as an event).
 
-    Checked in order of who decides: the owner's hold, then the declared limits, then the
-    [policy] measured now (the only check that takes time: about half a second)."""
+    ``home`` is the lodger home, ``job`` the loaded job, ``dataset`` its name (default: the job's
+    `[data] train` dataset). Called with a job file alone (``round_verdict(job_path)``), the home is
+    $LODGER_HOME and the job is loaded from the file. Checked in order of who decides: the owner's
+    hold, then the declared limits, then the [policy] measured now (about half a second)."""
+    if job is None:
+        from ..home import home as lodger_home
+        from ..jobfile import load_job
+
+        job, home = load_job(Path(home)), lodger_home()
+    dataset = dataset if dataset is not None else (job_dataset(job) or "unregistered")
     participation = participation_id(job, dataset)
     reasons = [r for r in (held_reason(home, job, dataset),) if r]
     with _ledger(home) as ledger:
         if not reasons:
-            reasons = _limit_reasons(job, usage(ledger, participation), time.time())
+            reasons = _limit_reasons(job, usage(ledger, job, dataset), time.time())
         if not reasons:
             reasons = [f"[policy]: {r}" for r in _policy_reasons(job)]
         if not reasons:
@@ -215,16 +252,21 @@ def participation(ledger) -> list[dict]:
     """Each federated job this machine approved or took part in: rounds taken, the last one,
     declined rounds with the last reason, whether the owner holds it. Oldest first."""
     found: dict[str, dict] = {}
+    by_dataset: dict[str, str] = {}  # dataset -> its latest approved participation
     for e in ledger.events_of_kinds(KINDS):
         data = e["data"]
         key = data.get("participation")
+        if e["kind"] == CLIENT_ROUND:
+            name = (data.get("dataset") or {}).get("name")
+            key = by_dataset.get(name) or f"{data.get('job_id')}.{name}"
         if not key:
             continue
         row = found.setdefault(key, {"participation": key, "server": None, "rounds": set(), "last_round": None,
                                      "last_round_at": None, "declined": 0, "last_declined": None, "held": False})
         if e["kind"] == APPROVED:
             row["server"] = data.get("server")
-        elif e["kind"] == TAKEN:
+            by_dataset[data.get("dataset")] = key
+        elif e["kind"] in (TAKEN, CLIENT_ROUND):
             row["rounds"].add(data.get("round"))
             row["last_round"], row["last_round_at"] = data.get("round"), e["time"]
         elif e["kind"] == DECLINED:
