@@ -63,17 +63,19 @@ def test_the_federated_gate_permission_plan_approval_and_the_owners_hold(tmp_pat
     from lodger.federated.owner import participation, round_verdict
     from lodger.ledger import Ledger
     from lodger.federated.processes import free_port, start_superlink
-    from lodger.jobfile import load_job
 
     home = lodger_home
     lodger(["data", "add", chat_data["train"], "--name", "clinic-a", "--license", "proprietary", "--owner", "alice",
             "--leave"], home)
-    job = write_job(tmp_path / "job.toml", model=tiny_model_dir, train="dataset:clinic-a", steps=4, rank=4,
+    placeholder = tmp_path / "placeholder.jsonl"  # one job file for every machine: each names its dataset
+    placeholder.write_text('{"text": "unused"}\n')
+    job = write_job(tmp_path / "job.toml", model=tiny_model_dir, train=placeholder, steps=4, rank=4,
                     name="fedjob", extra={"federated": {"rounds": 2, "local_steps": 1, "min_clients": 1},
                                           "remote": {"wall_hours": 1.0}, "limits": {"max_compute_hours": 2.0},
                                           "policy": {"enabled": False}})
     # 1. may leave, may not federate: refused before anything starts, the fix named, on the record.
-    refused = lodger(["federate", job, "--server", DISCARD, "--insecure", "--approve"], home, ok=False)
+    refused = lodger(["federate", job, "--dataset", "clinic-a", "--server", DISCARD, "--insecure", "--approve"], home,
+                     ok=False)
     assert refused.returncode == 4, describe(refused)
     assert "nothing was sent" in refused.stderr and "`lodger data grant clinic-a --federate`" in refused.stderr
     [refusal] = events(home, "federate_refused")
@@ -82,7 +84,7 @@ def test_the_federated_gate_permission_plan_approval_and_the_owners_hold(tmp_pat
 
     # 2. granted: the plan names every tensor and its bytes, how often, the limits; no approval, no start.
     lodger(["data", "grant", "clinic-a", "--federate"], home)
-    declined = lodger(["federate", job, "--server", DISCARD, "--insecure"], home, ok=False)
+    declined = lodger(["federate", job, "--dataset", "clinic-a", "--server", DISCARD, "--insecure"], home, ok=False)
     assert declined.returncode == 5 and "nothing was started, nothing was sent" in declined.stdout, describe(declined)
     tensors = expected_tensors(tiny_model_dir, rank=4)
     for name, size in tensors.items():
@@ -99,7 +101,8 @@ def test_the_federated_gate_permission_plan_approval_and_the_owners_hold(tmp_pat
     link = start_superlink(tmp_path / "server", free_port())
     node_pid = None
     try:
-        joined = lodger(["federate", job, "--server", link.address, "--insecure", "--approve", "--detach"], home)
+        joined = lodger(["federate", job, "--dataset", "clinic-a", "--server", link.address, "--insecure", "--approve",
+                         "--detach"], home)
         node_pid = int(joined.stdout.split("(pid ")[1].split(")")[0])
         [approval] = events(home, "federate_approved")
         assert approval["participation"] == "fedjob.clinic-a" and approval["server"] == link.address
@@ -109,16 +112,16 @@ def test_the_federated_gate_permission_plan_approval_and_the_owners_hold(tmp_pat
         assert log.is_file(), joined.stdout
 
         # 4. the owner holds the machine: the next round is declined with the reason, on the record.
-        lodger(["federate", job, "--hold"], home)
-        reason = round_verdict(home, load_job(job), "clinic-a", round=1)  # what the ClientApp asks
+        lodger(["federate", job, "--dataset", "clinic-a", "--hold"], home)
+        reason = round_verdict(home, job, "clinic-a", round=1)  # as the ClientApp asks, with its node's dataset
         assert reason and reason.startswith("the owner holds this machine"), reason
         status = lodger(["status"], home).stdout
         assert "fedjob.clinic-a  HELD by the owner" in status and "1 declined (last: round 1: the owner holds" \
             in status, status
-        lodger(["federate", job, "--continue"], home)
+        lodger(["federate", job, "--dataset", "clinic-a", "--continue"], home)
         with Ledger() as ledger:
             assert participation(ledger)[0]["held"] is False
-        assert round_verdict(home, load_job(job), "clinic-a", round=2) is None
+        assert round_verdict(home, job, "clinic-a", round=2) is None
 
         os.killpg(node_pid, signal.SIGTERM)  # no client trains while the app below waits for one
         wait_until(lambda: _gone(node_pid), 30, what="the SuperNode gone")

@@ -64,13 +64,14 @@ def _ask(what: str) -> str | None:
     return "typed yes" if answer.strip().lower() == "yes" else None
 
 
-def approved(job: Path, side: str, server: str, approve: bool, as_json: bool, insecure: bool):
+def approved(job: Path, side: str, server: str, approve: bool, as_json: bool, insecure: bool,
+             dataset: str | None = None):
     """Check, print, ask, record; the approved plan, or exit (4 refused, 5 not approved)."""
     from ..errors import FederationRefused
     from ..federated import plan as fplan
 
     try:
-        plan = fplan.check(job, side, server=server, insecure=insecure)
+        plan = fplan.check(job, side, server=server, insecure=insecure, dataset=dataset)
     except FederationRefused as refused:
         if refused.plan is not None and not as_json:
             print_plan(refused.plan)
@@ -101,6 +102,7 @@ def approved(job: Path, side: str, server: str, approve: bool, as_json: bool, in
               help="The CA certificate that signed the SuperLink's TLS certificate.")
 @click.option("--auth-key", type=click.Path(dir_okay=False, path_type=Path),
               help="This SuperNode's private key (node authentication; its public key is registered there).")
+@click.option("--dataset", help="This owner's registered dataset to train on (default: the job's [data] train).")
 @click.option("--client-id", help="This machine's name in the federation (letters, digits, `_`, `.`, `-`); "
                                   "default: HOSTNAME.DATASET. The server aggregates in client-id order.")
 @click.option("--detach", is_flag=True, help="Return once the SuperNode runs (it keeps running in the background).")
@@ -108,8 +110,8 @@ def approved(job: Path, side: str, server: str, approve: bool, as_json: bool, in
                                                     "machine); starts nothing.")
 @click.option("--continue", "continue_", is_flag=True, help="Take this job's rounds again after --hold.")
 def federate(job: Path, server: str | None, approve: bool, as_json: bool, insecure: bool,
-             root_certificates: Path | None, auth_key: Path | None, client_id: str | None, detach: bool,
-             hold_: bool, continue_: bool) -> None:
+             root_certificates: Path | None, auth_key: Path | None, dataset: str | None, client_id: str | None,
+             detach: bool, hold_: bool, continue_: bool) -> None:
     """Join a federated job with this machine's dataset: print what will leave, ask, start a SuperNode.
 
     JOB is the federated job file with `[data] train` naming this owner's registered dataset,
@@ -127,11 +129,11 @@ def federate(job: Path, server: str | None, approve: bool, as_json: bool, insecu
              lodger federate job.toml --hold
     """
     if hold_ or continue_:
-        return _hold(job, hold_)
+        return _hold(job, hold_, dataset)
     if not server:
         raise click.UsageError("--server HOST:PORT is needed to join (or pass --hold / --continue)")
-    client_id = _client_id(client_id, job)
-    plan = approved(job, "client", server, approve, as_json, insecure)
+    client_id = _client_id(client_id, job, dataset)
+    plan = approved(job, "client", server, approve, as_json, insecure, dataset)
     started = _start_supernode(plan, client_id, insecure, root_certificates, auth_key)
     click.echo(f"SuperNode for {plan.participation()} runs (pid {started.process.pid}); its log: {started.log}",
                err=as_json)
@@ -143,12 +145,11 @@ def federate(job: Path, server: str | None, approve: bool, as_json: bool, insecu
         started.stop()
 
 
-def _hold(job: Path, hold: bool) -> None:
-    from ..home import home
-    from ..jobfile import load_job
+def _hold(job: Path, hold: bool, dataset: str | None) -> None:
     from ..federated import owner
+    from ..home import home
 
-    loaded = load_job(job)
+    loaded = owner.load_client_job(job, dataset)
     dataset = owner.job_dataset(loaded) or "unregistered"
     if hold:
         owner.hold(home(), loaded, dataset, "the owner holds this machine (lodger federate --hold)")
@@ -158,7 +159,7 @@ def _hold(job: Path, hold: bool) -> None:
         click.echo(f"continuing {owner.participation_id(loaded, dataset)}: rounds are taken again")
 
 
-def _client_id(given: str | None, job: Path) -> str:
+def _client_id(given: str | None, job: Path, dataset: str | None) -> str:
     """The given id, checked; or HOSTNAME.DATASET made into a valid id (before anything is asked)."""
     import re
     import socket
@@ -172,7 +173,7 @@ def _client_id(given: str | None, job: Path) -> str:
         return given
     from ..config import read_toml
 
-    train = str((read_toml(job, "job file").get("data") or {}).get("train", "data"))
+    train = dataset or str((read_toml(job, "job file").get("data") or {}).get("train", "data"))
     name = f"{socket.gethostname()}.{train.removeprefix('dataset:').rsplit('/', 1)[-1]}"
     return re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip("_.-")[:64] or "client"
 

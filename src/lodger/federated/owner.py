@@ -59,6 +59,25 @@ def _ledger(home: Path):
     return Ledger(Path(home) / "ledger.db")
 
 
+def load_client_job(path: Path, dataset: str | None = None):
+    """The job as this client runs it: with ``dataset`` (the node's registered dataset) as its
+    `[data] train`, as the ClientApp's round jobs have it; otherwise as the file says. Defaults
+    from $LODGER_HOME/config.toml apply as for `lodger run`; the data is resolved (hash, may_train)."""
+    from ..config import USER_SECTIONS, DatasetPolicyConfig, read_toml
+    from ..jobfile import load_job, parse_job, user_defaults
+
+    if dataset is None:
+        return load_job(path)
+    path = Path(path)
+    raw, settings = read_toml(path, "job file"), user_defaults()
+    for section, table in settings.items():
+        if section in USER_SECTIONS and isinstance(raw.get(section, {}), dict):
+            raw[section] = {**table, **raw.get(section, {})}
+    raw["data"] = {**(raw.get("data") or {}), "train": f"dataset:{dataset}"}
+    policy = DatasetPolicyConfig.model_validate(settings.get("datasets", {}))
+    return parse_job(raw, str(path), path.resolve().parent, unregistered=policy.unregistered)
+
+
 def job_dataset(job) -> str | None:
     """The registered dataset the job trains on (its `[data] train`), or None if unregistered."""
     use = next((u for u in job.data_uses() if u.role == "train"), None)
@@ -209,15 +228,17 @@ def _limit_reasons(job, used: dict, now: float) -> list[str]:
 def round_verdict(home: Path, job=None, dataset=None, *, round: int | None = None) -> str | None:
     """None when this machine takes the round now; else why it declines (recorded as an event).
 
-    ``home`` is the lodger home, ``job`` the loaded job, ``dataset`` its name (default: the job's
-    `[data] train` dataset). Called with a job file alone (``round_verdict(job_path)``), the home is
-    $LODGER_HOME and the job is loaded from the file. Checked in order of who decides: the owner's
-    hold, then the declared limits, then the [policy] measured now (about half a second)."""
+    ``home`` is the lodger home, ``job`` the loaded job (or its file), ``dataset`` the node's
+    dataset name (default: the job's `[data] train` dataset). The ClientApp calls
+    ``round_verdict(home, job_path, dataset, round=N)``; ``round_verdict(job_path)`` alone takes
+    $LODGER_HOME. Checked in order of who decides: the owner's hold, then the declared limits, then
+    the [policy] measured now (about half a second)."""
     if job is None:
         from ..home import home as lodger_home
-        from ..jobfile import load_job
 
-        job, home = load_job(Path(home)), lodger_home()
+        job, home = Path(home), lodger_home()
+    if isinstance(job, (str, Path)):
+        job = load_client_job(Path(job), _name(dataset) if dataset is not None else None)
     dataset = dataset if dataset is not None else (job_dataset(job) or "unregistered")
     participation = participation_id(job, dataset)
     reasons = [r for r in (held_reason(home, job, dataset),) if r]

@@ -127,14 +127,18 @@ def _model_config(job) -> tuple[dict | None, str | None]:
                       "without loading it; `lodger estimate JOB` prepares it")
 
 
-def check(job_path: Path, side: str, *, server: str, insecure: bool = False) -> FederatedPlan:
-    """Check a federated job for one side; return its plan or raise FederationRefused."""
-    from ..jobfile import load_job
+def check(job_path: Path, side: str, *, server: str, insecure: bool = False,
+          dataset: str | None = None) -> FederatedPlan:
+    """Check a federated job for one side; return its plan or raise FederationRefused.
+
+    ``dataset``: the client's registered dataset, in place of the job's `[data] train` (the job
+    file is then the same on every machine)."""
+    from .owner import load_client_job
     from .processes import check_insecure
 
     job_path = Path(job_path)
     try:
-        job = load_job(job_path)
+        job = load_client_job(job_path, dataset if side == "client" else None)
     except LodgerError as exc:
         raise FederationRefused([str(exc)]) from None
     if job.federated is None:
