@@ -114,8 +114,8 @@ def federate(job: Path, server: str | None, approve: bool, as_json: bool, insecu
              detach: bool, hold_: bool, continue_: bool) -> None:
     """Join a federated job with this machine's dataset: print what will leave, ask, start a SuperNode.
 
-    JOB is the federated job file with `[data] train` naming this owner's registered dataset,
-    which must allow federated use (`lodger data grant NAME --federate`): the data stays here;
+    JOB is the federated job file (the same on every machine); --dataset names this owner's
+    registered dataset (default: the job's `[data] train`), which must allow federated use (`lodger data grant NAME --federate`): the data stays here;
     each round the adapter's tensors (all listed, with their bytes), a token count and a few
     metrics leave for the server. The declared limits (rounds, wall hours, compute per client) and
     the update protection are printed; then --approve, or typing yes, starts a Flower SuperNode
@@ -124,9 +124,9 @@ def federate(job: Path, server: str | None, approve: bool, as_json: bool, insecu
 
     \b
     Exit codes: 0 joined, 4 refused by a check (nothing sent), 5 not approved.
-    Example: lodger federate clinic-job.toml --server lab.example.org:9092 --root-certificates ca.pem
-             lodger federate job.toml --server 127.0.0.1:9092 --insecure --approve --detach
-             lodger federate job.toml --hold
+    Example: lodger federate job.toml --dataset notes --server lab.example.org:8000 --root-certificates ca.pem
+             lodger federate job.toml --dataset notes --server 127.0.0.1:8000 --insecure --approve --detach
+             lodger federate job.toml --dataset notes --hold
     """
     if hold_ or continue_:
         return _hold(job, hold_, dataset)
