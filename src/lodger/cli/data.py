@@ -87,7 +87,8 @@ def data_ls(as_json: bool) -> None:
         table.add_column(column)
     for d in found:
         table.add_row(d.name, str(d.lines), str(d.size), d.license, d.owner, "yes" if d.may_train else "no",
-                      "yes" if d.may_leave else "no", "yes" if d.may_federate else "no", ", ".join(d.targets) or "-", d.sha256[:12])
+                      "yes" if d.may_leave else "no", "yes" if d.may_federate else "no", ", ".join(d.targets) or "-",
+                      d.sha256[:12])
     Console().print(table, markup=False)
 
 

@@ -320,6 +320,10 @@ class Ledger:
             return None
         return "no `queued` event records it (the entry was inserted outside lodger)"
 
+    def events_of_kinds(self, kinds: tuple[str, ...]) -> list[dict]:
+        """Every event of these kinds, in chain order, with its data decoded (an indexed lookup)."""
+        return [{**dict(r), "data": json.loads(r["data"])} for r in self._events_of_kinds(kinds)]
+
     def _events_of_kinds(self, kinds: tuple[str, ...]) -> list[sqlite3.Row]:
         marks = ", ".join("?" * len(kinds))
         return self.db.execute(f"SELECT * FROM events WHERE kind IN ({marks}) ORDER BY seq", kinds).fetchall()
