@@ -217,5 +217,10 @@ def test_a_client_killed_mid_round_finishes_the_paid_steps_from_its_checkpoint(t
 
     resumed, facts = train_round(job, "alice", "alice-notes", RoundOrder(1, "killed", 2, {}, tensors_sha256({}), 0))
     assert sorted((home / "runs").iterdir()) == runs and facts["steps"] == 2  # the same run, finished
+    from lodger.ledger import Ledger
+
+    with Ledger(home / "ledger.db") as ledger:
+        kinds = [e["kind"] for e in ledger.events(runs[0].name)]
+    assert "resumed" in kinds and "federated_client_round" in kinds, kinds
     clean, _ = train_round(job, "alice", "alice-notes", RoundOrder(1, "clean", 2, {}, tensors_sha256({}), 0))
     assert tensors_sha256(resumed) == tensors_sha256(clean)

@@ -108,7 +108,7 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
     return good, declined
 
 
-def run_server(grid, run_config: dict) -> Committed:
+def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committed:
     """Every remaining round of the job: ask, aggregate, commit, record."""
     from ..ledger import Ledger
 
@@ -126,7 +126,7 @@ def run_server(grid, run_config: dict) -> Committed:
         current = store.latest(on_damaged=damaged)
         config_bytes = adapter_config(job)
         ledger.event(None, "federated_server_started", job_id=job_id, resumed_after_round=current.round,
-                     rounds=job.federated.rounds, flower_run=run_config.get("flower-run"),
+                     rounds=job.federated.rounds, flower_run=flower_run,
                      settings=job.federated.model_dump(mode="json"))
         while current.round < job.federated.rounds:
             current = one_round(grid, job, job_id, current, store, config_bytes, ledger)
@@ -171,7 +171,7 @@ def _make_app():
 
     @server_app.main()
     def main(grid, context) -> None:
-        run_server(grid, dict(context.run_config))
+        run_server(grid, dict(context.run_config), flower_run=str(context.run_id))
 
     return server_app
 
