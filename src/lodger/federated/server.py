@@ -117,6 +117,7 @@ def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committ
     job = load_federated_job(Path(str(run_config.get("job") or "")))
     job_id = str(run_config.get("job-id") or job.name or "")
     store = RoundStore(job_id)
+    lock = take_job(store.folder)
     ledger = Ledger()
     try:
         def damaged(path, reason, aside):
@@ -135,6 +136,25 @@ def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committ
         return current
     finally:
         ledger.close()
+        lock.release()
+
+
+def take_job(folder: Path, patience: float = 120.0):
+    """One ServerApp per federated job: a ServerApp of a SuperLink that was killed may live on for
+    moments (until it notices its parent is gone); wait for it, bounded, rather than race it."""
+    from ..errors import RunStateError
+    from ..home import private_mkdir
+    from ..runlock import RunLock
+
+    private_mkdir(folder)
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return RunLock(folder)
+        except RunStateError as exc:
+            if time.monotonic() > deadline:
+                raise FederatedError(f"another server process still works on {folder}: {exc}") from None
+            time.sleep(1.0)  # bounded wait for the other process to end
 
 
 def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: RoundStore, config_bytes: bytes,
