@@ -139,3 +139,17 @@ def test_insecure_transport_only_on_loopback_and_node_config_is_quoted():
     assert node_config_arg({"dataset": 'a "b"', "steps": 2}) == 'dataset="a \\"b\\"" steps=2'
     with pytest.raises(FederatedError, match="node config key"):
         node_config_arg({"bad key": 1})
+
+
+def test_update_protection_clips_the_update_and_its_noise_is_seeded():
+    from lodger.federated.client import protect
+
+    start, trained = _adapter(1), _adapter(2)
+    assert protect(trained, start, {}, 0, 1, "alice") is trained  # off: untouched
+    clipped = protect(trained, start, {"clip_norm": 0.5}, 0, 1, "alice")
+    norm = np.sqrt(sum(float(np.sum((clipped[k].astype(np.float64) - start[k]) ** 2)) for k in start))
+    assert abs(norm - 0.5) < 1e-4
+    noisy = protect(trained, start, {"clip_norm": 0.5, "noise_multiplier": 1.0}, 0, 1, "alice")
+    again = protect(trained, start, {"clip_norm": 0.5, "noise_multiplier": 1.0}, 0, 1, "alice")
+    other = protect(trained, start, {"clip_norm": 0.5, "noise_multiplier": 1.0}, 0, 1, "bob")
+    assert tensors_sha256(noisy) == tensors_sha256(again) != tensors_sha256(other) != tensors_sha256(clipped)

@@ -234,7 +234,9 @@ def _handle(msg, context):
                              "--node-config 'job=\"PATH\"' (or the run's job)")
     client_id, dataset = str(node.get("client-id", "")), str(node.get("dataset", ""))
     order = read_round(msg.content)
-    verdict = _owner_verdict(job_path)
+    check_client(client_id, dataset)
+    _owner_permission(job_path, dataset)
+    verdict = _owner_verdict(job_path, dataset, order.round)
     if verdict is not None:
         raise FederatedError(f"client {client_id} declines round {order.round}: {verdict}")
     sent, facts = train_round(job_path, client_id, dataset, order)
@@ -242,14 +244,20 @@ def _handle(msg, context):
                                  loss=facts["loss"], started_from=order.sha256), reply_to=msg)
 
 
-def _owner_verdict(job_path: Path) -> str | None:
-    """fedgate's owner.round_verdict (held / released / limit near), when it is there."""
-    try:
-        from . import owner
-    except ImportError:
-        return None
-    verdict = getattr(owner, "round_verdict", None)
-    return verdict(job_path) if verdict is not None else None
+def _owner_verdict(job_path: Path, dataset: str, round_no: int) -> str | None:
+    """The owner's say (owner.py): held, released, a limit near, or the [policy] now; None: take it."""
+    from ..home import home
+    from .owner import round_verdict
+
+    return round_verdict(home(), job_path, dataset, round=round_no)
+
+
+def _owner_permission(job_path: Path, dataset: str) -> None:
+    """owner.py's permission check (a chained `federated_permission` event), before any training."""
+    from ..home import home
+    from .owner import check_permission, load_client_job
+
+    check_permission(home(), load_client_job(job_path, dataset), dataset)
 
 
 def _make_app():

@@ -163,7 +163,8 @@ def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
 
 
 def start_superlink(home: Path, port: int, *, host: str = "127.0.0.1", insecure: bool = True,
-                    database: Path | None | bool = True, env: dict[str, str] | None = None) -> Started:
+                    database: Path | None | bool = True, env: dict[str, str] | None = None,
+                    extra_args: list[str] | None = None) -> Started:
     """Start `flower-superlink` (Fleet, Control and runtime APIs on one HTTP port in Flower 1.42).
 
     Its ServerApp runs in a subprocess of it and inherits ``env`` (e.g. LODGER_HOME of the server
@@ -179,6 +180,7 @@ def start_superlink(home: Path, port: int, *, host: str = "127.0.0.1", insecure:
            "--disable-runtime-dependency-installation"]
     cmd += ["--insecure"] if insecure else []
     cmd += ["--database", str(database)] if database else []
+    cmd += list(extra_args or [])  # e.g. --ssl-certfile/--ssl-keyfile/--ssl-ca-certfile, --enable-supernode-auth
     process = _spawn(cmd, _env(home, env), log)
     started = Started(process, address, log)
     wait_listening(address, process, log)
@@ -196,17 +198,21 @@ def node_config_arg(node_config: dict[str, object]) -> str:
 
 
 def start_supernode(home: Path, superlink: str, node_config: dict[str, object], *, port: int | None = None,
-                    insecure: bool = True, env: dict[str, str] | None = None) -> Started:
+                    insecure: bool = True, env: dict[str, str] | None = None,
+                    extra_args: list[str] | None = None) -> Started:
     """Start `flower-supernode` connected to ``superlink`` (its Fleet address).
 
     ``node_config`` reaches lodger's ClientApp as ``context.node_config`` (e.g. the owner's
-    LODGER_HOME and dataset name); ``port`` is this node's own ClientApp runtime API port."""
+    LODGER_HOME and dataset name); ``port`` is this node's own ClientApp runtime API port;
+    ``extra_args`` go to flower-supernode as they are (e.g. --root-certificates FILE,
+    --auth-supernode-private-key FILE)."""
     check_insecure(superlink, insecure)
     port = port or free_port()
     log = Path(home) / "flwr" / "supernode.log"
     cmd = [flwr_bin("flower-supernode"), "--superlink", superlink, "--host", "127.0.0.1", "--port", str(port),
            "--node-config", node_config_arg(node_config)]
     cmd += ["--insecure"] if insecure else []
+    cmd += list(extra_args or [])
     extra = {"LODGER_HOME": str(node_config["lodger-home"])} if "lodger-home" in node_config else {}
     process = _spawn(cmd, _env(home, {**extra, **(env or {})}), log)
     started = Started(process, f"127.0.0.1:{port}", log)

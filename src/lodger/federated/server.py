@@ -108,7 +108,7 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
     return good, declined
 
 
-def run_server(grid, run_config: dict) -> Committed:
+def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committed:
     """Every remaining round of the job: ask, aggregate, commit, record."""
     from ..ledger import Ledger
 
@@ -117,6 +117,7 @@ def run_server(grid, run_config: dict) -> Committed:
     job = load_federated_job(Path(str(run_config.get("job") or "")))
     job_id = str(run_config.get("job-id") or job.name or "")
     store = RoundStore(job_id)
+    lock = take_job(store.folder)
     ledger = Ledger()
     try:
         def damaged(path, reason, aside):
@@ -126,7 +127,7 @@ def run_server(grid, run_config: dict) -> Committed:
         current = store.latest(on_damaged=damaged)
         config_bytes = adapter_config(job)
         ledger.event(None, "federated_server_started", job_id=job_id, resumed_after_round=current.round,
-                     rounds=job.federated.rounds, flower_run=run_config.get("flower-run"),
+                     rounds=job.federated.rounds, flower_run=flower_run,
                      settings=job.federated.model_dump(mode="json"))
         while current.round < job.federated.rounds:
             current = one_round(grid, job, job_id, current, store, config_bytes, ledger)
@@ -135,6 +136,25 @@ def run_server(grid, run_config: dict) -> Committed:
         return current
     finally:
         ledger.close()
+        lock.release()
+
+
+def take_job(folder: Path, patience: float = 120.0):
+    """One ServerApp per federated job: a ServerApp of a SuperLink that was killed may live on for
+    moments (until it notices its parent is gone); wait for it, bounded, rather than race it."""
+    from ..errors import RunStateError
+    from ..home import private_mkdir
+    from ..runlock import RunLock
+
+    private_mkdir(folder)
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return RunLock(folder)
+        except RunStateError as exc:
+            if time.monotonic() > deadline:
+                raise FederatedError(f"another server process still works on {folder}: {exc}") from None
+            time.sleep(1.0)  # bounded wait for the other process to end
 
 
 def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: RoundStore, config_bytes: bytes,
@@ -171,7 +191,7 @@ def _make_app():
 
     @server_app.main()
     def main(grid, context) -> None:
-        run_server(grid, dict(context.run_config))
+        run_server(grid, dict(context.run_config), flower_run=str(context.run_id))
 
     return server_app
 
