@@ -180,7 +180,6 @@ def _client_id(given: str | None, job: Path, dataset: str | None) -> str:
 
 def _start_supernode(plan, client_id: str, insecure: bool, root_certificates: Path | None,
                      auth_key: Path | None):
-    from ..errors import FederatedError
     from ..federated import owner
     from ..federated.processes import start_supernode
     from ..home import home
@@ -191,13 +190,7 @@ def _start_supernode(plan, client_id: str, insecure: bool, root_certificates: Pa
                    "client-id": client_id}
     extra = [*(["--root-certificates", str(root_certificates)] if root_certificates else []),
              *(["--auth-supernode-private-key", str(auth_key)] if auth_key else [])]
-    if not extra:
-        return start_supernode(folder, plan.server, node_config, insecure=insecure)
-    try:
-        return start_supernode(folder, plan.server, node_config, insecure=insecure, extra_args=extra)
-    except TypeError:
-        raise FederatedError("this lodger cannot pass TLS certificates or a node key to its SuperNode yet; start "
-                             "`flower-supernode` by hand as docs/federated.md shows") from None
+    return start_supernode(folder, plan.server, node_config, insecure=insecure, extra_args=extra)
 
 
 def submit_federated(job: Path, server: str, approve: bool, as_json: bool, insecure: bool) -> None:
