@@ -123,6 +123,9 @@ def status(as_json: bool) -> None:
 
             runs = [_synced(ledger, r, sync) if r.get("target") else r for r in runs]  # storage only, no ray
         queue = ledger.queue()
+        from ..federated.owner import participation  # no torch, no flwr: the ledger's federated events
+
+        federated = participation(ledger)
     rows = []
     for run in runs:
         state = live_status(run)
@@ -136,12 +139,12 @@ def status(as_json: bool) -> None:
         rows.append({"id": run["id"], "status": state, "step": now["step"], "checkpoint_step": now["checkpoint_step"],
                      "total_steps": run["total_steps"], "loss": now["loss"], "managed": bool(run.get("managed")),
                      "requests": requests, "target": run.get("target")})
-    info = {"agent_pid": agent_pid(), "runs": rows, "queue": queue}
+    info = {"agent_pid": agent_pid(), "runs": rows, "queue": queue, "federated": federated}
     if as_json:
         click.echo(json.dumps(info, indent=1, default=str))
         return
     click.echo(f"agent: {'running (pid %d)' % info['agent_pid'] if info['agent_pid'] else 'not running'}")
-    if not rows and not queue:
+    if not rows and not queue and not federated:
         click.echo("nothing running, paused or queued")
     for r in rows:
         extra = ", ".join(f"{k}:{v}" for k, v in r["requests"].items())
@@ -149,6 +152,17 @@ def status(as_json: bool) -> None:
                    + (f"  on {r['target']}" if r["target"] else "") + (f"  [{extra}]" if extra else ""))
     for q in queue:
         click.echo(f"{'queued':<12} #{q['id']} {q['name']}  priority {q['priority']}")
+    for f in federated:
+        _federated_line(f)
+
+
+def _federated_line(f: dict) -> None:
+    """One federated job this machine takes part in: rounds taken, the last, declined ones and why."""
+    last = f"last round {f['last_round']}" if f["last_round"] is not None else "no round yet"
+    declined = f["last_declined"]
+    why = f" (last: round {declined['round']}: {declined['reason']})" if declined else ""
+    click.echo(f"{'federated':<12} {f['participation']}{'  HELD by the owner' if f['held'] else ''}  server "
+               f"{f['server'] or '-'}  {f['rounds']} round(s) taken, {last}; {f['declined']} declined{why}")
 
 
 def _synced(ledger, run: dict, sync) -> dict:
