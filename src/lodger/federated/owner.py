@@ -228,7 +228,8 @@ def _limit_reasons(job, used: dict, now: float) -> list[str]:
 def round_verdict(home: Path, job=None, dataset=None, *, round: int | None = None) -> str | None:
     """None when this machine takes the round now; else why it declines (recorded as an event).
 
-    ``home`` is the lodger home, ``job`` the loaded job (or its file), ``dataset`` the node's
+    ``home`` is this process's lodger home ($LODGER_HOME: a job file is resolved against its
+    registry), ``job`` the loaded job (or its file), ``dataset`` the node's
     dataset name (default: the job's `[data] train` dataset). The ClientApp calls
     ``round_verdict(home, job_path, dataset, round=N)``; ``round_verdict(job_path)`` alone takes
     $LODGER_HOME. Checked in order of who decides: the owner's hold, then the declared limits, then
