@@ -74,7 +74,7 @@ def _events(home: Path, kind: str) -> list[dict]:
 def _reference(tmp_path: Path, job: Path, homes: dict[str, Path], monkeypatch) -> dict:
     """The same federation computed in this process without Flower: each round each client's
     train_round on its own home, then fedavg. The adapter a Flower run must reproduce bitwise."""
-    from lodger.federated.aggregate import Update, fedavg, tensors_sha256
+    from lodger.federated.aggregate import Update, fedavg, tensors_bytes, tensors_sha256
     from lodger.federated.client import train_round
     from lodger.federated.messages import RoundOrder
 
@@ -83,7 +83,8 @@ def _reference(tmp_path: Path, job: Path, homes: dict[str, Path], monkeypatch) -
         updates = []
         for name, home in homes.items():
             monkeypatch.setenv("LODGER_HOME", str(home))
-            order = RoundOrder(round_no, "refjob", LOCAL_STEPS, tensors, tensors_sha256(tensors), 0)
+            order = RoundOrder(round_no, "refjob", LOCAL_STEPS, tensors, tensors_sha256(tensors),
+                               tensors_bytes(tensors))
             sent, facts = train_round(job, name, f"{name}-notes", order)
             updates.append(Update(name, facts["tokens"], sent))
         tensors = fedavg(updates, tensors or None)
@@ -116,11 +117,14 @@ def test_two_clients_three_rounds_survive_a_server_kill_and_match_the_reference(
 
         server = _start_server(tmp_path, port)
         started.append(server)
-        _submit(tmp_path, superlink, job)
+        flower_run = _submit(tmp_path, superlink, job)
         wait_until(lambda: ROUNDS in _committed_rounds(server_home), 900, server.process,
                    what=f"round {ROUNDS} committed after the restart", interval=0.2)
         wait_until(lambda: _events(server_home, "federated_finished"), 120, server.process,
                    what="the server's federated_finished event", interval=0.5)
+        status = wait_until(lambda: (st := processes.run_status(server_home, flower_run)).startswith("finished")
+                            and st, 120, server.process, what="Flower's run finished", interval=1.0)
+        assert status == "finished:completed", status
     finally:
         for process in reversed(started):
             process.stop()

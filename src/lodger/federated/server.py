@@ -87,6 +87,7 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
     nodes = wait_for_nodes(grid, fed.min_clients, fed.round_timeout_seconds)
     chosen = sample(nodes, fed.clients_per_round, job.training.seed, round_no)
     content = round_content(round_no, job_id, fed.local_steps, current.tensors)
+    order_sha = tensors_sha256(current.tensors)
     messages = [Message(content, dst_node_id=node, message_type="train") for node in chosen]
     replies = grid.send_and_receive(messages, timeout=fed.round_timeout_seconds)
     good, declined = [], {}
@@ -99,6 +100,9 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
             r = read_reply(reply.content, node)
         except FederatedError as exc:
             declined[str(node)] = str(exc)
+            continue
+        if r.started_from != order_sha:  # trained from another global adapter: not this round's work
+            declined[str(node)] = f"{r.client_id} trained from {r.started_from[:12]}, not this round's adapter"
             continue
         good.append((r, node))
     answered = {str(n) for _, n in good} | set(declined)
