@@ -218,8 +218,19 @@ def test_remote_worker_killed_mid_run_resumes_bitwise_equal(ray_head, standard_j
     assert pid, "the remote run's lock names no pid"
     os.kill(pid, signal.SIGKILL)
 
-    crashed = _wait_synced(run_id, env, ("crashed",))
-    assert crashed["ray_status"] == "FAILED", crashed
+    # No `lodger sync`: `lodger status` asks Ray itself and records the job that died without a word.
+    def crashed_in_status():
+        result = run_lodger(["status", "--json"], env)
+        assert result.returncode == 0 and "unreachable" not in result.stderr, describe(result)
+        row = next(r for r in json.loads(result.stdout)["runs"] if r["id"] == run_id)
+        return row if row["status"] == "crashed" else None
+
+    row = wait_until(crashed_in_status, 240, what=f"`lodger status` to show run {run_id} crashed", interval=0.2)
+    assert row["cluster_unreachable"] is None
+    ended = [e for e in show(run_id, env)["events"] if e["kind"] == "remote_job_ended"]
+    assert len(ended) == 1 and ended[0]["data"]["ray_status"] == "FAILED", ended
+    crashed = _sync(run_id, env)
+    assert crashed["status"] == "crashed" and crashed["ray_status"] == "FAILED", crashed
     assert crashed["step"] < TOTAL_STEPS
 
     resumed = run_lodger(["resume", run_id], env)
