@@ -305,3 +305,22 @@ def test_two_ranks_under_ray_end_bitwise_equal_to_two_ranks_here(ray_head, ddp_j
     assert final_adapter_bytes(local) == ddp_baseline["adapter"]
     manifest = json.loads((local / "checkpoints" / info["checkpoints"][-1] / "MANIFEST.json").read_text())
     assert manifest["world_size"] == 2 and "rng-rank-1.json" in manifest["files"]
+
+
+def test_two_ray_train_workers_end_bitwise_equal_to_two_ranks_here(ray_head, ddp_job, ddp_baseline, lodger_home,
+                                                                   tmp_path):
+    # [remote] nodes = 2: no torchrun; the driver asks Ray Train for one worker per rank (two CPUs
+    # on this one head), Ray Train makes the gloo group, and lodger's ranks join it.
+    env = lodger_env(lodger_home, **RAY_ENV)
+    job = tmp_path / "two-nodes.toml"
+    job.write_text(ddp_job.read_text() + "\n[remote]\nnodes = 2\n")
+    run_id = _submit(job, ray_head)
+    info = _wait_synced(run_id, env, ("finished",), ray_ended=True)
+    assert info["ray_status"] == "SUCCEEDED", info
+    assert (ray_head["storage"] / run_id / "home" / "raytrain").is_dir()  # Ray Train's run folder: it ran there
+    local = run_dir_of(run_id, env)
+    assert info["checkpoints"][-1] == f"step-{TOTAL_STEPS:08d}", info
+    assert train_records(local) == ddp_baseline["records"]
+    assert final_adapter_bytes(local) == ddp_baseline["adapter"]
+    manifest = json.loads((local / "checkpoints" / info["checkpoints"][-1] / "MANIFEST.json").read_text())
+    assert manifest["world_size"] == 2 and "rng-rank-1.json" in manifest["files"]
