@@ -56,13 +56,17 @@ def ray_head():
     temp = Path(tempfile.mkdtemp(prefix="lr-", dir="/tmp"))
     storage = temp / "storage"
     storage.mkdir()
-    port, dashboard = _free_port(), _free_port()
+    # Every port a head listens on is a free one: another Ray head on this machine (another test
+    # module, another user) holds the defaults, and a head whose agent could not bind refuses jobs
+    # ("No available agent to submit job").
+    port, dashboard, agent, client = _free_port(), _free_port(), _free_port(), _free_port()
     saved = {k: os.environ.get(k) for k in RAY_ENV}
     os.environ.update(RAY_ENV)
     ray = str(Path(sys.executable).with_name("ray"))
     started = subprocess.run(
         [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "true",
+         "--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(client),
          "--num-cpus", "2", "--temp-dir", str(temp / "ray"), "--disable-usage-stats"],
         env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=180)
     try:
@@ -315,7 +319,10 @@ def test_two_ray_train_workers_end_bitwise_equal_to_two_ranks_here(ray_head, ddp
     job = tmp_path / "two-nodes.toml"
     job.write_text(ddp_job.read_text() + "\n[remote]\nnodes = 2\n")
     run_id = _submit(job, ray_head)
-    info = _wait_synced(run_id, env, ("finished",), ray_ended=True)
+    try:
+        info = _wait_synced(run_id, env, ("finished",), ray_ended=True)
+    except AssertionError as exc:  # what Ray's driver said is the only account of a Ray Train start
+        raise AssertionError(f"{exc}\n{describe(run_lodger(['logs', run_id, '--ray'], env))}") from None
     assert info["ray_status"] == "SUCCEEDED", info
     assert (ray_head["storage"] / run_id / "home" / "raytrain").is_dir()  # Ray Train's run folder: it ran there
     local = run_dir_of(run_id, env)

@@ -83,11 +83,16 @@ def cancel(run_id: str) -> None:
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 def remote_worker(run_id: str, job: Path) -> None:
     """Train RUN inside a Ray job (LODGER_HOME is the run's home in storage): start or resume it."""
+    from ..jobfile import load_job
+    from ..remote import raytrain
     from ..remote.worker import start
     from .crash import log_to_run
 
     log_to_run(run_id)  # the run's log.txt is synced back; Ray's job log is not read by the owner
-    start(run_id, job)
+    if raytrain.wanted(load_job(job)):  # more than one node: one Ray Train worker per rank
+        raytrain.start(run_id, job)
+    else:
+        start(run_id, job)
 
 
 COMMANDS = [sync, cancel, remote_worker]

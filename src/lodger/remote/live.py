@@ -72,6 +72,7 @@ def refresh(ledger, runs: list[dict], budget: float = BUDGET_S) -> Live:
             run = sync(ledger, run)
         except RemoteError as exc:  # storage refused (changed job, unreadable): shown as last recorded
             live.warnings.append(f"{run['id']}: {exc}")
+            answer = None  # what the run wrote at its end was not read: nothing to conclude from Ray
         if answer is not None:
             run = settle(ledger, run, *answer)
         if run["status"] in ACTIVE and address in down:

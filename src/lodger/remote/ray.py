@@ -80,6 +80,7 @@ class RayBackend(Backend):
 
     def submit(self, info: dict, run_id: str, submission_id: str, job) -> None:
         from ..train.limits import COST_ENV, REMOTE_ENV
+        from . import raytrain
 
         client = _client(info["address"])
         entrypoint = " ".join(shlex.quote(part) for part in (
@@ -87,12 +88,13 @@ class RayBackend(Backend):
         env = {"LODGER_HOME": str(Path(info["dir"]) / "home"), REMOTE_ENV: "1",
                COST_ENV: repr(float(info["cost_per_gpu_hour"])),
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        # With world_size > 1 the worker runs torchrun itself (one node): it needs every rank's share.
-        world = job.training.world_size
+        # With world_size > 1 on one node the worker runs torchrun itself: it needs every rank's share.
+        # On more nodes Ray Train asks for each rank's share; the driver only waits (raytrain.py).
+        world = 0 if raytrain.wanted(job) else job.training.world_size
         gpus = world if job.training.device == "cuda" else 0
         try:
             client.submit_job(entrypoint=entrypoint, submission_id=submission_id, runtime_env={"env_vars": env},
-                              entrypoint_num_cpus=(job.training.threads or 1) * world,
+                              entrypoint_num_cpus=(job.training.threads or 1) * world or None,
                               entrypoint_num_gpus=gpus or None, metadata={"lodger_run": run_id})
         except Exception as exc:
             raise RemoteError(f"the Ray cluster at {info['address']} refused submission {submission_id}: "
