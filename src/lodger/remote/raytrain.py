@@ -81,12 +81,26 @@ def _fit(run_id: str, job, resuming: bool) -> Exception | None:
                                      resources_per_worker={"CPU": job.training.threads or 1},
                                      placement_strategy="SPREAD"),
         run_config=RunConfig(name=f"{run_id}-{os.getpid()}", storage_path=str(home() / "raytrain"),
-                             failure_config=FailureConfig(max_failures=0), worker_runtime_env={"env_vars": env}))
+                             failure_config=FailureConfig(max_failures=0),
+                             worker_runtime_env={"env_vars": env,
+                                                 "worker_process_setup_hook": f"{__name__}.ignore_pause_signal"}))
     try:
         trainer.fit()
     except Exception as exc:  # noqa: BLE001 - a pause ends the ranks too; _outcome reads which it was
         return exc
     return None
+
+
+def ignore_pause_signal() -> None:
+    """In each Ray Train worker process as it starts (its main thread): ignore SIGUSR1.
+
+    The ranks run in a thread of the worker, where lodger cannot install its handlers, and
+    SIGUSR1's default action ends a process. On a head that is also this machine, `lodger pause`
+    verifies rank 0 holds the run's lock and signals it: ignored, the request file it wrote
+    first is what rank 0 answers (it polls request files with LODGER_REMOTE=1)."""
+    import signal
+
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _rank(config: dict) -> None:
