@@ -81,9 +81,7 @@ def _fit(run_id: str, job, resuming: bool) -> Exception | None:
                                      resources_per_worker={"CPU": job.training.threads or 1},
                                      placement_strategy="SPREAD"),
         run_config=RunConfig(name=f"{run_id}-{os.getpid()}", storage_path=str(home() / "raytrain"),
-                             failure_config=FailureConfig(max_failures=0),
-                             worker_runtime_env={"env_vars": env,
-                                                 "worker_process_setup_hook": f"{__name__}.ignore_pause_signal"}))
+                             failure_config=FailureConfig(max_failures=0), worker_runtime_env={"env_vars": env}))
     try:
         trainer.fit()
     except Exception as exc:  # noqa: BLE001 - a pause ends the ranks too; _outcome reads which it was
@@ -92,20 +90,26 @@ def _fit(run_id: str, job, resuming: bool) -> Exception | None:
 
 
 def ignore_pause_signal() -> None:
-    """In each Ray Train worker process as it starts (its main thread): ignore SIGUSR1.
+    """Ignore SIGUSR1 in this whole process, from any thread.
 
-    The ranks run in a thread of the worker, where lodger cannot install its handlers, and
-    SIGUSR1's default action ends a process. On a head that is also this machine, `lodger pause`
-    verifies rank 0 holds the run's lock and signals it: ignored, the request file it wrote
-    first is what rank 0 answers (it polls request files with LODGER_REMOTE=1)."""
+    The ranks run in a thread of a Ray Train worker, where Python's signal module cannot install
+    lodger's handlers, and SIGUSR1's default action ends a process. On a head that is also this
+    machine, `lodger pause` verifies rank 0 holds the run's lock and signals it: ignored, the
+    request file it wrote first is what rank 0 answers (it polls request files with
+    LODGER_REMOTE=1). libc's ``signal`` sets the process-wide disposition from any thread; Python
+    has no handler of its own for SIGUSR1 to disagree with it."""
+    import ctypes
     import signal
 
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+    libc.signal(int(signal.SIGUSR1), 1)  # 1 = SIG_IGN
 
 
 def _rank(config: dict) -> None:
     """One rank inside a Ray Train worker: lodger's rank code in the process group Ray Train made."""
     os.environ.update(config["env"])
+    ignore_pause_signal()
     from ..run import execute, resume_prepared
 
     execute(config["run_id"], resume_prepared(config["run_id"]), resuming=config["resuming"], quiet=True)
