@@ -40,3 +40,10 @@ def test_only_a_job_on_more_than_one_node_goes_through_ray_train():
 
     assert not raytrain.wanted(Job(None)) and not raytrain.wanted(Job(1))
     assert raytrain.wanted(Job(2))
+
+
+def test_ranks_get_lodgers_settings_and_no_secret():
+    # A Ray Train worker's runtime env is kept in Ray's metadata and shown by its dashboard.
+    driver = {"LODGER_HOME": "/s/run/home", "LODGER_REMOTE": "1", "HF_HUB_OFFLINE": "1", "LODGER_API_TOKEN": "t",
+              "HF_TOKEN": "hf", "AWS_SECRET_ACCESS_KEY": "k", "AWS_ACCESS_KEY_ID": "id", "PATH": "/bin"}
+    assert raytrain.rank_env(driver) == {"LODGER_HOME": "/s/run/home", "LODGER_REMOTE": "1", "HF_HUB_OFFLINE": "1"}

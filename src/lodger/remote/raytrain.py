@@ -27,8 +27,12 @@ from datetime import timedelta
 from pathlib import Path
 
 # What the ranks need of the driver's environment (the Ray job's runtime env sets it on the
-# driver; Ray Train's workers are set from this list, whatever Ray propagates by itself).
-_ENV_PREFIXES = ("LODGER_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "AWS_")
+# driver; Ray Train's workers are set from this, whatever Ray propagates by itself). Named, not
+# by prefix: a worker's runtime env is stored in Ray's metadata and shown by its dashboard, so no
+# secret (HF_TOKEN, AWS_SECRET_ACCESS_KEY) goes there; nodes have their own credentials.
+_ENV_NAMES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM")
+_ENV_PREFIX = "LODGER_"  # LODGER_HOME, LODGER_REMOTE, the price; never one that names a secret
+_SECRET_WORDS = ("TOKEN", "SECRET", "KEY", "PASSWORD")
 # A hold on rank 0 keeps the other ranks waiting inside a collective for as long as the owner
 # holds (as under torchrun, see distributed.init): Ray Train's 30-minute default would end it.
 _GROUP_TIMEOUT = timedelta(days=30)
@@ -64,6 +68,12 @@ def start(run_id: str, job_path: Path) -> str:
     return _outcome(run_id, failure)
 
 
+def rank_env(environ) -> dict[str, str]:
+    """What of the driver's environment each rank gets: lodger's own settings, no secret."""
+    return {k: v for k, v in environ.items() if k in _ENV_NAMES or (
+        k.startswith(_ENV_PREFIX) and not any(word in k for word in _SECRET_WORDS))}
+
+
 def _fit(run_id: str, job, resuming: bool) -> Exception | None:
     """Run the ranks on Ray Train; the exception fit() ended with, if any."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -72,7 +82,7 @@ def _fit(run_id: str, job, resuming: bool) -> Exception | None:
     from ..home import home
 
     cuda = job.training.device == "cuda"
-    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    env = rank_env(os.environ)
     trainer = TorchTrainer(
         _rank, train_loop_config={"run_id": run_id, "resuming": resuming, "env": env},
         torch_config=TorchConfig(backend="nccl" if cuda else "gloo",
