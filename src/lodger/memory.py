@@ -24,6 +24,7 @@ from .errors import LodgerError
 # The model's arithmetic, re-exported: callers use memory.model_shape, memory.step_flops, ...
 from .memory_model import Shape, activation_parts, logits_bytes, model_shape, step_flops, trainable_params  # noqa: F401
 from .train.precision import MASTER_BYTES, MODES, mode
+from .train.throughput import flops_per_second, matmul_rate  # noqa: F401 (callers use memory.*)
 
 if TYPE_CHECKING:
     from .config import JobConfig
@@ -73,13 +74,14 @@ class Estimate:
 def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None,
              runtime_bytes: int | None = None, device: str = "cpu",
              flops_per_second: float | None = None, total_steps: int | None = None,
-             pinned_allocator: bool | None = None) -> Estimate:
+             pinned_allocator: bool | None = None, mean_width: float | None = None) -> Estimate:
     """Peak memory of ``job`` on ``device`` ("cpu": resident set; "cuda": GPU memory).
 
     ``seq_len`` defaults to [data] max_length (the widest batch); ``runtime_bytes`` to
     ``runtime_bytes()`` on CPU; ``pinned_allocator`` to RUNS_PIN_ALLOCATOR (whether the training
     process pins glibc's mmap threshold). With ``flops_per_second`` (see ``flops_per_second()``) the
-    estimate also carries seconds per optimizer step and, when the step count is known, per job.
+    estimate also carries seconds per optimizer step and, when the step count is known, per job,
+    at ``mean_width`` computed positions per row (default ``seq_len``: every batch as wide as the widest).
     """
     shape = model_shape(model_config)
     cfg, method = job.training, job.method
@@ -138,7 +140,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
                             "pinned_allocator": pinned_allocator})
     if flops_per_second:
         est.flops_per_step, est.step_seconds, est.job_seconds = estimate_time(
-            job, model_config, flops_per_second, seq_len=seq, total_steps=total_steps)
+            job, model_config, flops_per_second, seq_len=mean_width or seq, total_steps=total_steps)
     return est
 
 
@@ -347,26 +349,6 @@ def runtime_bytes(*, threads: int | None = None, use_current: bool = True) -> in
 _measured_runtime = runtime_bytes  # estimate() has a keyword argument of the same name
 
 
-def flops_per_second(threads: int | None = None, precision: str = "fp32", seconds: float = 0.2) -> float:
-    """Matmul rate of this machine at ``threads`` threads (a ~0.2 s benchmark)."""
-    import torch
-
-    dtype = mode(precision).dtype
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
-    try:
-        a = torch.randn(512, 1024, dtype=dtype)
-        b = torch.randn(1024, 1024, dtype=dtype)
-        torch.mm(a, b)  # warm-up: first call picks kernels
-        flops, started = 0.0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            torch.mm(a, b)
-            flops += 2 * 512 * 1024 * 1024
-        return flops / (time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(before)
-
-
 # -- measuring real steps -----------------------------------------------------------------------
 @dataclass
 class Measurement:
@@ -380,14 +362,15 @@ class Measurement:
 
 
 def measure(job: "JobConfig", folder: Path, *, seq_len: int | None = None, steps: int = 2,
-            timeout: float | None = None, pinned_allocator: bool | None = None) -> Measurement:
+            timeout: float | None = None, pinned_allocator: bool | None = None, packed: bool = False) -> Measurement:
     """Run ``steps`` real optimizer steps of ``job`` at its shape (batch_size x seq_len synthetic
     tokens, one row padded) in a fresh process, as `lodger run` does them, and measure its peak RSS.
 
-    ``pinned_allocator`` (default RUNS_PIN_ALLOCATOR) calls pin_allocator() first, as such a run would."""
+    ``pinned_allocator`` (default RUNS_PIN_ALLOCATOR) calls pin_allocator() first, as such a run would.
+    ``packed``: rows of two examples each, as packing.collate_packed makes them (no attention_mask)."""
     pinned = RUNS_PIN_ALLOCATOR if pinned_allocator is None else pinned_allocator
     spec = {"job": job.model_dump(mode="json"), "folder": str(folder),
-            "seq_len": int(seq_len or job.data.max_length), "steps": steps, "pinned": pinned}
+            "seq_len": int(seq_len or job.data.max_length), "steps": steps, "pinned": pinned, "packed": packed}
     threads = job.training.threads or len(os.sched_getaffinity(0))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -441,6 +424,11 @@ def _measure_child() -> None:
     attention[-1, seq - max(1, seq // 4):] = 0  # real batches are padded: SDPA then keeps a mask
     batch = {"input_ids": ids, "attention_mask": attention,
              "labels": torch.where(attention.bool(), ids, torch.tensor(-100))}
+    if spec.get("packed"):  # two examples per row, positions restarting: the mask comes from them
+        half = max(1, seq // 2)
+        positions = (torch.arange(seq) % half).expand(batch_size, seq).clone()
+        batch = {"input_ids": ids, "position_ids": positions,
+                 "labels": torch.where(positions == 0, torch.tensor(-100), ids)}
     # The CPU estimate: bf16 autocast stands in for every half precision (fp16 needs a GPU).
     precision = Precision("fp32" if cfg.precision == "fp32" else "bf16", "cpu")
     step_tokens = max(int((batch["labels"] != -100).sum()) * cfg.grad_accum, 1)
