@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import LodgerError
 # The model's arithmetic, re-exported: callers use memory.model_shape, memory.step_flops, ...
-from .memory_model import Shape, activation_parts, logits_bytes, model_shape, step_flops, trainable_params  # noqa: F401
+from .memory_model import (Shape, activation_parts, layer_bytes, logits_bytes, model_shape,  # noqa: F401
+                           step_flops, trainable_params)
 from .train.precision import MASTER_BYTES, MODES, mode
 from .train.throughput import flops_per_second, matmul_rate  # noqa: F401 (callers use memory.*)
 
@@ -37,6 +38,12 @@ TOKENIZER_BYTES_PER_VOCAB = 940     # ... and per vocabulary entry (SmolLM2, 49,
 BUFFERS_FIXED = 8 * 2**20           # model-independent scratch: autograd engine, kernels' workspaces
 # Share of a step's transient bytes glibc keeps resident (its dynamic mmap threshold): docs/memory.md.
 ALLOCATOR_RETAINED = 0.5
+# glibc's mmap threshold never rises above this (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit): bigger blocks
+# (the logits of most batches) are mappings of their own, returned to the system when freed.
+MMAP_THRESHOLD_MAX = 32 * 2**20
+# Gradients of one layer's activations alive while the backward pass is inside it, x that layer's
+# saved bytes (docs/memory.md): what makes the peak of few-layer models more than their activations.
+BACKWARD_LAYERS = 0.75
 # Whether `lodger run` pins the mmap threshold (pin_allocator): it does not; slower steps (docs/memory.md).
 RUNS_PIN_ALLOCATOR = False
 GPU_CONTEXT_BYTES = 600 * 2**20     # CUDA context + cuBLAS workspace (uncalibrated: no GPU here)
@@ -99,7 +106,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     optimizer = 2 * MASTER_BYTES * trainable  # AdamW's two moments
     saved, recomputed = activation_parts(shape, tokens, seq, method, precision=precision,
                                          checkpointing=cfg.gradient_checkpointing)
-    activations = saved + recomputed
+    activations = saved + recomputed + BACKWARD_LAYERS * layer_bytes(shape, tokens, seq, method, precision=precision)
     loss = logits_bytes(shape, batch, seq)
     copies = 0.0
     if half:  # one autocast copy of every linear weight (lm_head too, even when tied)
@@ -123,7 +130,8 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
         else:        # glibc's dynamic mmap threshold (see ALLOCATOR_RETAINED): the heap keeps what a
             # step freed, except the logits, whose blocks are too big for it; the checkpoint's
             # bytes come on top of the rest
-            allocator = max(0.0, ALLOCATOR_RETAINED * transient - gradients)
+            heap = transient - (loss if 4 * tokens * shape.vocab >= MMAP_THRESHOLD_MAX else 0.0)
+            allocator = max(0.0, ALLOCATOR_RETAINED * heap - gradients)
             overlap = min(checkpoint, loss)
     items = {"runtime": runtime, "weights": weights, "gradients": gradients, "optimizer": optimizer,
              "activations": activations, "logits_and_loss": loss, "checkpoint": checkpoint,

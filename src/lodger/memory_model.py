@@ -127,6 +127,11 @@ def _layer_bytes(shape: Shape, seq: int, method, precision: "Mode") -> float:
     return 2 * h * 4 + inputs + lora_mid + attention + 3 * i * e
 
 
+def layer_bytes(shape: Shape, tokens: int, seq: int, method, *, precision: "Mode") -> float:
+    """Bytes autograd saves in one decoder layer for a micro-batch of ``tokens``."""
+    return _layer_bytes(shape, seq, method, precision) * tokens
+
+
 def activation_parts(shape: Shape, tokens: int, seq: int, method, *, precision: "Mode",
                      checkpointing: bool) -> tuple[float, float]:
     """(saved activations, one recomputed layer) in bytes for a micro-batch of ``tokens``."""
