@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import LodgerError
 # The model's arithmetic, re-exported: callers use memory.model_shape, memory.step_flops, ...
-from .memory_model import Shape, activation_parts, logits_bytes, model_shape, step_flops, trainable_params  # noqa: F401
+from .memory_model import (Shape, activation_parts, layer_bytes, logits_bytes, model_shape,  # noqa: F401
+                           step_flops, trainable_params)
 from .train.precision import MASTER_BYTES, MODES, mode
+from .train.throughput import flops_per_second, matmul_rate  # noqa: F401 (callers use memory.*)
 
 if TYPE_CHECKING:
     from .config import JobConfig
@@ -36,6 +38,12 @@ TOKENIZER_BYTES_PER_VOCAB = 940     # ... and per vocabulary entry (SmolLM2, 49,
 BUFFERS_FIXED = 8 * 2**20           # model-independent scratch: autograd engine, kernels' workspaces
 # Share of a step's transient bytes glibc keeps resident (its dynamic mmap threshold): docs/memory.md.
 ALLOCATOR_RETAINED = 0.5
+# glibc's mmap threshold never rises above this (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit): bigger blocks
+# (the logits of most batches) are mappings of their own, returned to the system when freed.
+MMAP_THRESHOLD_MAX = 32 * 2**20
+# Gradients of one layer's activations alive while the backward pass is inside it, x that layer's
+# saved bytes (docs/memory.md): what makes the peak of few-layer models more than their activations.
+BACKWARD_LAYERS = 0.75
 # Whether `lodger run` pins the mmap threshold (pin_allocator): it does not; slower steps (docs/memory.md).
 RUNS_PIN_ALLOCATOR = False
 GPU_CONTEXT_BYTES = 600 * 2**20     # CUDA context + cuBLAS workspace (uncalibrated: no GPU here)
@@ -73,13 +81,14 @@ class Estimate:
 def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None,
              runtime_bytes: int | None = None, device: str = "cpu",
              flops_per_second: float | None = None, total_steps: int | None = None,
-             pinned_allocator: bool | None = None) -> Estimate:
+             pinned_allocator: bool | None = None, mean_width: float | None = None) -> Estimate:
     """Peak memory of ``job`` on ``device`` ("cpu": resident set; "cuda": GPU memory).
 
     ``seq_len`` defaults to [data] max_length (the widest batch); ``runtime_bytes`` to
     ``runtime_bytes()`` on CPU; ``pinned_allocator`` to RUNS_PIN_ALLOCATOR (whether the training
     process pins glibc's mmap threshold). With ``flops_per_second`` (see ``flops_per_second()``) the
-    estimate also carries seconds per optimizer step and, when the step count is known, per job.
+    estimate also carries seconds per optimizer step and, when the step count is known, per job,
+    at ``mean_width`` computed positions per row (default ``seq_len``: every batch as wide as the widest).
     """
     shape = model_shape(model_config)
     cfg, method = job.training, job.method
@@ -97,7 +106,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     optimizer = 2 * MASTER_BYTES * trainable  # AdamW's two moments
     saved, recomputed = activation_parts(shape, tokens, seq, method, precision=precision,
                                          checkpointing=cfg.gradient_checkpointing)
-    activations = saved + recomputed
+    activations = saved + recomputed + BACKWARD_LAYERS * layer_bytes(shape, tokens, seq, method, precision=precision)
     loss = logits_bytes(shape, batch, seq)
     copies = 0.0
     if half:  # one autocast copy of every linear weight (lm_head too, even when tied)
@@ -121,7 +130,8 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
         else:        # glibc's dynamic mmap threshold (see ALLOCATOR_RETAINED): the heap keeps what a
             # step freed, except the logits, whose blocks are too big for it; the checkpoint's
             # bytes come on top of the rest
-            allocator = max(0.0, ALLOCATOR_RETAINED * transient - gradients)
+            heap = transient - (loss if 4 * tokens * shape.vocab >= MMAP_THRESHOLD_MAX else 0.0)
+            allocator = max(0.0, ALLOCATOR_RETAINED * heap - gradients)
             overlap = min(checkpoint, loss)
     items = {"runtime": runtime, "weights": weights, "gradients": gradients, "optimizer": optimizer,
              "activations": activations, "logits_and_loss": loss, "checkpoint": checkpoint,
@@ -138,7 +148,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
                             "pinned_allocator": pinned_allocator})
     if flops_per_second:
         est.flops_per_step, est.step_seconds, est.job_seconds = estimate_time(
-            job, model_config, flops_per_second, seq_len=seq, total_steps=total_steps)
+            job, model_config, flops_per_second, seq_len=mean_width or seq, total_steps=total_steps)
     return est
 
 
@@ -347,26 +357,6 @@ def runtime_bytes(*, threads: int | None = None, use_current: bool = True) -> in
 _measured_runtime = runtime_bytes  # estimate() has a keyword argument of the same name
 
 
-def flops_per_second(threads: int | None = None, precision: str = "fp32", seconds: float = 0.2) -> float:
-    """Matmul rate of this machine at ``threads`` threads (a ~0.2 s benchmark)."""
-    import torch
-
-    dtype = mode(precision).dtype
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
-    try:
-        a = torch.randn(512, 1024, dtype=dtype)
-        b = torch.randn(1024, 1024, dtype=dtype)
-        torch.mm(a, b)  # warm-up: first call picks kernels
-        flops, started = 0.0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            torch.mm(a, b)
-            flops += 2 * 512 * 1024 * 1024
-        return flops / (time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(before)
-
-
 # -- measuring real steps -----------------------------------------------------------------------
 @dataclass
 class Measurement:
@@ -380,14 +370,15 @@ class Measurement:
 
 
 def measure(job: "JobConfig", folder: Path, *, seq_len: int | None = None, steps: int = 2,
-            timeout: float | None = None, pinned_allocator: bool | None = None) -> Measurement:
+            timeout: float | None = None, pinned_allocator: bool | None = None, packed: bool = False) -> Measurement:
     """Run ``steps`` real optimizer steps of ``job`` at its shape (batch_size x seq_len synthetic
     tokens, one row padded) in a fresh process, as `lodger run` does them, and measure its peak RSS.
 
-    ``pinned_allocator`` (default RUNS_PIN_ALLOCATOR) calls pin_allocator() first, as such a run would."""
+    ``pinned_allocator`` (default RUNS_PIN_ALLOCATOR) calls pin_allocator() first, as such a run would.
+    ``packed``: rows of two examples each, as packing.collate_packed makes them (no attention_mask)."""
     pinned = RUNS_PIN_ALLOCATOR if pinned_allocator is None else pinned_allocator
     spec = {"job": job.model_dump(mode="json"), "folder": str(folder),
-            "seq_len": int(seq_len or job.data.max_length), "steps": steps, "pinned": pinned}
+            "seq_len": int(seq_len or job.data.max_length), "steps": steps, "pinned": pinned, "packed": packed}
     threads = job.training.threads or len(os.sched_getaffinity(0))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -441,6 +432,11 @@ def _measure_child() -> None:
     attention[-1, seq - max(1, seq // 4):] = 0  # real batches are padded: SDPA then keeps a mask
     batch = {"input_ids": ids, "attention_mask": attention,
              "labels": torch.where(attention.bool(), ids, torch.tensor(-100))}
+    if spec.get("packed"):  # two examples per row, positions restarting: the mask comes from them
+        half = max(1, seq // 2)
+        positions = (torch.arange(seq) % half).expand(batch_size, seq).clone()
+        batch = {"input_ids": ids, "position_ids": positions,
+                 "labels": torch.where(positions == 0, torch.tensor(-100), ids)}
     # The CPU estimate: bf16 autocast stands in for every half precision (fp16 needs a GPU).
     precision = Precision("fp32" if cfg.precision == "fp32" else "bf16", "cpu")
     step_tokens = max(int((batch["labels"] != -100).sum()) * cfg.grad_accum, 1)

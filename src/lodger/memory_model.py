@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ModelSourceError
+from .train.throughput import token_flops as flops_formula
 
 if TYPE_CHECKING:
     from .config import JobConfig
@@ -126,6 +127,11 @@ def _layer_bytes(shape: Shape, seq: int, method, precision: "Mode") -> float:
     return 2 * h * 4 + inputs + lora_mid + attention + 3 * i * e
 
 
+def layer_bytes(shape: Shape, tokens: int, seq: int, method, *, precision: "Mode") -> float:
+    """Bytes autograd saves in one decoder layer for a micro-batch of ``tokens``."""
+    return _layer_bytes(shape, seq, method, precision) * tokens
+
+
 def activation_parts(shape: Shape, tokens: int, seq: int, method, *, precision: "Mode",
                      checkpointing: bool) -> tuple[float, float]:
     """(saved activations, one recomputed layer) in bytes for a micro-batch of ``tokens``."""
@@ -146,17 +152,27 @@ def logits_bytes(shape: Shape, batch: int, seq: int) -> float:
     logits' gradient (fp32), 12 bytes per token and vocabulary entry (measured)."""
     return 12 * batch * seq * shape.vocab
 
-def step_flops(job: "JobConfig", model_config: dict, *, seq_len: int | None = None) -> float:
-    """Floating-point operations of one optimizer step (every micro-batch, forward and backward)."""
+def token_flops(shape: Shape, method, context: float) -> tuple[float, float]:
+    """(model FLOPs, recomputation FLOPs) per computed position of a micro-batch whose rows are
+    ``context`` positions wide, by train/throughput.token_flops (the formula the step line's MFU
+    uses): 6N per token for full fine-tuning, 4N + 2R for LoRA, plus the attention. Gradient
+    checkpointing recomputes the forward but lm_head: time, not model FLOPs."""
+    lm_head = shape.vocab * shape.hidden
+    matmul = shape.layers * shape.layer_linear_params + lm_head
+    lora = 0 if method.kind == "full" else trainable_params(shape, method)
+    model = flops_formula(matmul + lora, matmul if method.kind == "full" else lora,
+                          shape.q_dim * shape.layers, context)
+    recompute = 2 * (matmul + lora - lm_head) + 4 * context * shape.q_dim * shape.layers
+    return float(model), float(recompute)
+
+
+def step_flops(job: "JobConfig", model_config: dict, *, seq_len: float | None = None) -> float:
+    """Floating-point operations of one optimizer step (every micro-batch, forward and backward,
+    recomputation included) when each micro-batch is ``batch_size`` rows of ``seq_len`` positions
+    (the padded width, or a packed row's length)."""
     shape = model_shape(model_config)
     cfg = job.training
-    seq = int(seq_len or job.data.max_length)
-    tokens = cfg.batch_size * seq
-    matmul = 2 * (shape.layers * shape.layer_linear_params + shape.vocab * shape.hidden) * tokens
-    attention = 4 * cfg.batch_size * seq * seq * shape.q_dim * shape.layers
-    forward = matmul + attention
-    # Backward: gradients of the inputs always; of the weights only for full fine-tuning.
-    backward = 2 * matmul + 2 * attention if job.method.kind == "full" else matmul + 2 * attention
-    recompute = (forward - 2 * shape.vocab * shape.hidden * tokens) if cfg.gradient_checkpointing else 0
-    return cfg.grad_accum * (forward + backward + recompute)
-
+    seq = float(seq_len or job.data.max_length)
+    model, recompute = token_flops(shape, job.method, seq)
+    per_token = model + (recompute if cfg.gradient_checkpointing else 0.0)
+    return cfg.grad_accum * cfg.batch_size * seq * per_token

@@ -39,6 +39,12 @@ def clock(seconds: float | None) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+def _waste(padding: float | None, mfu: float | None) -> str:
+    """" | pad 46% | mfu 12.3%": what the step's compute was worth, where known."""
+    text = f" | pad {padding:.0%}" if padding is not None else ""
+    return text + (f" | mfu {mfu:.1%}" if mfu is not None else "")
+
+
 class Reporter:
     """Prints step lines and messages; a live progress display when stdout is a terminal."""
 
@@ -87,14 +93,17 @@ class Reporter:
         return (self.total - step) * sum(self.recent) / len(self.recent)
 
     def step(self, step: int, total: int, loss: float, grad_norm: float, lr: float, tokens: int,
-             seconds: float, show: bool, held: float = 0.0) -> None:
+             seconds: float, show: bool, held: float = 0.0, padding: float | None = None,
+             mfu: float | None = None) -> None:
+        """``padding``: share of the computed positions that were padding; ``mfu``: model FLOPs
+        utilisation (train/throughput.py); either left out of the line when unknown."""
         self.recent.append(seconds)
         self.total = total
         elapsed = time.monotonic() - self.began
         tokens_per_s = tokens / max(seconds, 1e-9)
         line = (f"step {step}/{total} | loss {loss:.4f} | grad_norm {grad_norm:.4f} | lr {lr:.3e} | "
-                f"tok/s {tokens_per_s:,.0f} | {seconds * 1000:.0f} ms/step | rss {rss_bytes() / 2**30:.2f} GiB | "
-                f"elapsed {clock(elapsed)} | eta {clock(self.eta(step))}")
+                f"tok/s {tokens_per_s:,.0f}{_waste(padding, mfu)} | {seconds * 1000:.0f} ms/step | "
+                f"rss {rss_bytes() / 2**30:.2f} GiB | elapsed {clock(elapsed)} | eta {clock(self.eta(step))}")
         if held:
             line += f" | held {held:.1f} s (not in ms/step)"
         if show:

@@ -64,6 +64,21 @@ def test_run_at_a_terminal_shows_a_live_eta_and_eval_lines(short_job, lodger_hom
     assert re.search(r"elapsed \d+:\d\d", out), out
     assert "target tok/s" in out, f"the live display is missing:\n{out}"
     assert "eval at step 6: 16 examples" in out and re.search(r"eval at step 6: eval_loss \d", out), out
+    # What is wasted: every train row and step line says target tokens/s, the padding share of the
+    # positions computed, and the model FLOPs utilisation against the cached matmul rate.
+    run_id = re.search(r"run (progress-\S+)", out).group(1)
+    folder = run_dir_of(run_id, lodger_env(lodger_home))
+    rows = [r for r in read_metrics(folder) if r["kind"] == "train"]
+    assert len(rows) == 12, rows
+    for r in rows:
+        assert 0 <= r["padded"] < r["computed"] and r["padding"] == round(r["padded"] / r["computed"], 4), r
+        assert r["computed"] - r["padded"] >= r["tokens"], f"fewer real positions than target tokens: {r}"
+        assert abs(r["tokens_per_s"] - r["tokens"] / r["seconds"]) <= 1e-3 * r["tokens_per_s"] + 1e-3, r
+        assert 0 < r["mfu"] < 1, r
+    assert any(r["padded"] for r in rows), "the fixture's chats differ in length: some batch is padded"
+    assert list((lodger_home / "cache" / "matmul").glob("*.json")), "the matmul rate is cached"
+    log = (folder / "log.txt").read_text()
+    assert re.search(r"tok/s [\d,]+ \| pad \d+% \| mfu \d+\.\d% \|", log), log[-1500:]
 
 
 def test_quiet_prints_only_the_run_id_and_resume_quiet_prints_nothing(short_job, lodger_home):

@@ -41,6 +41,36 @@ def _longest_example(train_set) -> int:
     return int((offsets[1:] - offsets[:-1]).max())
 
 
+def packs(cfg) -> bool:
+    """Whether the job packs examples into rows ([training] packing, where this lodger has it)."""
+    value = getattr(cfg.training, "packing", False)
+    return value not in (False, None, "off", "false", "no")
+
+
+def batch_shapes(cfg, prepared, micro_batches: int = 512) -> tuple[int, float, float]:
+    """(peak row width, mean row width, padding share of the computed positions) of the job's
+    micro-batches, from the first ``micro_batches`` of its real order: padded to each batch's
+    longest example, or packed (``packing.pack_list``: rows of at most max_length tokens)."""
+    from ..data import Sampler
+    from ..packing import example_lengths, pack_list
+
+    lengths = example_lengths(prepared.train_set)
+    sampler = Sampler(prepared.train_indices, cfg.training.seed)
+    batch = cfg.training.batch_size
+    if packs(cfg):
+        order = [sampler.at(k) for k in range(micro_batches * batch * 4)]
+        batches = [[sum(lengths[i] for i in row) for row in pack]
+                   for pack in pack_list(order, lengths, batch, cfg.data.max_length)[:micro_batches]]
+        peak = cfg.data.max_length  # a row may fill up to max_length
+    else:
+        order = [sampler.at(k) for k in range(micro_batches * batch)]
+        batches = [[lengths[i] for i in order[k:k + batch]] for k in range(0, len(order), batch)]
+        peak = min(cfg.data.max_length, _longest_example(prepared.train_set))
+    computed = sum(len(b) * max(b) for b in batches)
+    widths = sum(max(b) for b in batches) / len(batches)
+    return peak, widths, 1 - sum(map(sum, batches)) / computed
+
+
 @click.command()
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--measure", is_flag=True,
@@ -74,22 +104,24 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
         first_use_done(started)
     threads = cfg.training.threads or len(os.sched_getaffinity(0))
     model_config = json.loads((prepared.folder / "config.json").read_text())
-    seq = min(cfg.data.max_length, _longest_example(prepared.train_set))
-    rate = memory.flops_per_second(threads, cfg.training.precision)
+    seq, width, padding = batch_shapes(cfg, prepared)
     gpu = prepared.device == "cuda"
+    # Measured afresh here, and cached for the step line's MFU (train/throughput.py).
+    rate = memory.matmul_rate(threads, cfg.training.precision, "cuda" if gpu else "cpu", fresh=True)
     # On a GPU the estimate is of GPU memory (no CPU process runtime in it), against free GPU memory.
-    est = memory.estimate(cfg, model_config, seq_len=seq, flops_per_second=rate,
+    est = memory.estimate(cfg, model_config, seq_len=seq, flops_per_second=rate, mean_width=width,
                           total_steps=prepared.total_steps, device=prepared.device,
                           runtime_bytes=None if gpu else memory.runtime_bytes(threads=threads, use_current=False))
     available = _free_gpu_memory() if gpu else memory.memory_available()
     limit = int(cfg.limits.memory_gb * GiB) if cfg.limits.memory_gb else None
     budget = min(available, limit) if limit else available
     fits = est.total_bytes <= budget
-    measured = memory.measure(cfg, prepared.folder, seq_len=seq, steps=3) if measure else None
+    measured = memory.measure(cfg, prepared.folder, seq_len=seq, steps=3, packed=packs(cfg)) if measure else None
 
     if as_json:
         out = {"estimate": est.to_dict(), "available_bytes": available, "limit_bytes": limit, "fits": fits,
-               "flops_per_second": rate, "total_steps": prepared.total_steps,
+               "flops_per_second": rate, "total_steps": prepared.total_steps, "packed": packs(cfg),
+               "mean_width": width, "padding": padding,
                "suggestions": [] if fits else memory.suggestions(est, cfg, budget)}
         if measured:
             out["measured"] = {"peak_bytes": measured.peak_bytes, "step_seconds": measured.step_seconds,
@@ -97,6 +129,8 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
         click.echo(json.dumps(out, indent=1))
     else:
         _print(job, cfg, est, model_config, rate, prepared.total_steps, available, limit, fits, budget, measured)
+        click.echo(f"batches: {'packed' if packs(cfg) else 'padded'} rows {width:.0f} positions wide on average, "
+                   f"{padding:.0%} of them padding")
     if not fits:
         raise click.exceptions.Exit(3)
 

@@ -79,9 +79,12 @@ def train(s: "Session") -> str:
         return "paused"
 
 
-def _backward(s: "Session", ids: list[int], step_tokens: int, micro: int, accum: int) -> torch.Tensor:
-    """The step's micro-batches, forward and backward; the summed loss of this process's share."""
+def _backward(s: "Session", ids: list[int], step_tokens: int, micro: int, accum: int) -> tuple[torch.Tensor, int, int]:
+    """The step's micro-batches, forward and backward; the summed loss of this process's share,
+    the positions it computed and the padding among them."""
     batches = [collate(s.train_set, ids[i * micro:(i + 1) * micro], s.pad_id) for i in range(accum)]
+    computed = sum(b["input_ids"].numel() for b in batches)
+    padded = computed - sum(int(b["attention_mask"].sum()) for b in batches)
     loss_sum = torch.zeros((), dtype=torch.float32, device=s.device)
     rng_at_step_start = capture_rng()  # a few KB copied; lets a release drop this step exactly
     try:
@@ -98,7 +101,7 @@ def _backward(s: "Session", ids: list[int], step_tokens: int, micro: int, accum:
         restore_rng(*rng_at_step_start)
         raise
     s.control.in_step = False
-    return loss_sum
+    return loss_sum, computed, padded
 
 
 def _train_steps(s: "Session") -> str:
@@ -124,7 +127,7 @@ def _train_steps(s: "Session") -> str:
             group["lr"] = lr
         step_ids = [s.sampler.at(p.position + k) for k in range(per_step)]
         step_tokens = s.train_set.target_tokens(step_ids)  # of the whole step, every rank's examples
-        loss_sum = _backward(s, step_ids[sync.rank::sync.world_size], step_tokens, micro, accum)
+        loss_sum, computed, padded = _backward(s, step_ids[sync.rank::sync.world_size], step_tokens, micro, accum)
         loss_sum = sync.finish_step(params, loss_sum, last_save)
         loss_value, norm_value, finite, overflow = optimizer_step(params, s.optimizer, s.precision, max_norm, loss_sum)
         verdict, zscore = guard.after_step(p.step + 1, p.position, loss_value, finite)
@@ -134,7 +137,8 @@ def _train_steps(s: "Session") -> str:
         held = s.control.held_seconds - held_before  # the owner's time, not the step's: reported apart
         rec.step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
                  seconds=time.perf_counter() - started - held, held=held, skipped=not finite or overflow,
-                 samples=None if finite else [int(s.train_set.lines[i]) for i in step_ids])
+                 samples=None if finite else [int(s.train_set.lines[i]) for i in step_ids],
+                 computed=computed, padded=padded)
         if verdict == "spike":
             rec.spike(p.step, loss_value, zscore)
         if verdict == "rollback":

@@ -20,6 +20,7 @@ class Recorder:
         self.evals: dict[int, float] = {}
         self.eval_seconds = 0.0  # of the latest eval, held time left out
         self.reporter = None     # set by the run once the log file is open
+        self.work = None         # a throughput.StepWork when the model's FLOPs are countable: MFU
 
     def _metrics_append(self, record: dict) -> None:
         if not self.writes:
@@ -49,8 +50,11 @@ class Recorder:
         return reached
 
     def step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
-             skipped: bool, samples: list[int] | None, held: float = 0.0) -> None:
-        """``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart)."""
+             skipped: bool, samples: list[int] | None, held: float = 0.0, computed: int = 0,
+             padded: int = 0) -> None:
+        """``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart).
+        ``tokens`` are the step's target tokens (every rank); ``computed`` the positions this rank
+        computed and ``padded`` the padding among them (0: unknown, no padding share or MFU)."""
         step = self.progress.step
         self.control.step = step
         if not self.writes:
@@ -59,6 +63,8 @@ class Recorder:
                   "tokens": tokens, "seconds": seconds, "time": time.time(), "segment": self.progress.segment}
         if held:
             record["held_seconds"] = held
+        waste = self._waste(tokens, seconds, computed, padded)
+        record.update(waste)
         if skipped:
             record["skipped"] = True
             self.ledger.event(self.run_id, "warning", step=step, reason="non-finite loss or gradient norm; "
@@ -67,7 +73,19 @@ class Recorder:
         self.control.step = step
         every = self.log_every
         self.reporter.step(step, self.total_steps, loss, grad_norm, lr, tokens, seconds, held=held,
-                           show=step % every == 0 or step == self.total_steps or step == 1)
+                           show=step % every == 0 or step == self.total_steps or step == 1,
+                           padding=waste.get("padding"), mfu=waste.get("mfu"))
+
+    def _waste(self, tokens: int, seconds: float, computed: int, padded: int) -> dict:
+        """The metric line's throughput fields: target tokens/s, and with the positions computed,
+        their padding share and the model FLOPs utilisation (train/throughput.py)."""
+        fields: dict = {"tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None}
+        if computed > 0:
+            fields.update(computed=computed, padded=padded, padding=round(padded / computed, 4))
+            mfu = self.work.mfu(computed, padded, seconds) if self.work is not None else None
+            if mfu is not None:
+                fields["mfu"] = round(mfu, 4)
+        return fields
 
     def spike(self, step: int, loss: float, zscore: float) -> None:
         if self.writes:

@@ -28,6 +28,7 @@ from .holders import Progress
 from .limits import LimitWatch, apply_limits
 from .record import Recorder
 from .sync import DataParallelSync, LocalSync
+from .throughput import StepWork
 
 __all__ = ["Prepared", "Progress", "Session"]
 
@@ -115,6 +116,9 @@ class Session:
         self.progress = Progress()
         self.recorder = Recorder(run_id, self.dir, ledger, self.control, self.progress, self.total_steps,
                                  job.training.log_every, writes=self.sync.writes)
+        self.recorder.work = StepWork(self.model, rows=job.training.batch_size * job.training.grad_accum,
+                                      threads=job.training.threads, precision=job.training.precision,
+                                      device=self.device)  # MFU on the step line (waste's hunk)
         facts = holders.RunFacts(run_id, prepared, self.fingerprint)
         state = {"facts": facts, "weights": holders.Weights(self.model, job.method),
                  "optimizer": holders.Optimizer(self.optimizer), "rng": holders.Rng(self.sync),
