@@ -105,6 +105,7 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
     from ..run import create_run, execute, resume_prepared
     from ..runlock import is_locked
 
+    settle_abandoned(order.job_id, order.round)
     earlier = _earlier_run(order.job_id, order)
     if earlier is not None and run_dir(earlier).is_dir():
         _wait_unlocked(run_dir(earlier), is_locked, wait_seconds)
@@ -126,6 +127,43 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
                          json.dumps({"run_id": run_id, "started_from": order.sha256}).encode())
     status = execute(run_id, prepared, resuming=False, quiet=True)
     return _finished(run_id, status)
+
+
+UNSETTLED = ("created", "running", "held")
+"""Statuses a round's local run keeps when its process was killed (a clean stop says so itself)."""
+
+
+def settle_abandoned(job_id: str, now_round: int) -> list[str]:
+    """Earlier rounds' local runs that a killed ClientApp left unsettled: the server has moved on to
+    ``now_round``, so that work will never be sent. Each is marked ``interrupted`` by a
+    `federated_round_abandoned` event with the reason (its steps stay on disk and in the record),
+    so the client's ledger says what happened instead of "running" forever. A run a live process
+    still holds is left alone. Returns the runs marked."""
+    from ..home import run_dir
+    from ..ledger import Ledger
+    from ..runlock import is_locked
+
+    marked = []
+    folder = _client_folder(job_id)
+    if not folder.is_dir():
+        return marked
+    with Ledger() as ledger:
+        for path in sorted(folder.glob("round-*.json")):
+            try:
+                round_no, run_id = int(path.stem.split("-")[1]), json.loads(path.read_bytes())["run_id"]
+            except (ValueError, KeyError, IndexError, OSError, TypeError):
+                continue
+            if round_no >= now_round or not ledger.has_run(run_id) or is_locked(run_dir(run_id)):
+                continue
+            run = ledger.run(run_id)
+            if run["status"] in UNSETTLED:
+                ledger.set_status(run_id, "interrupted", event="federated_round_abandoned", job_id=job_id,
+                                  round=round_no, now_round=now_round, step=run["step"],
+                                  reason=f"this client's process died during round {round_no} and the server has "
+                                         f"moved on to round {now_round}: the {run['step']} local step(s) done were "
+                                         "never sent and will not be")
+                marked.append(run_id)
+    return marked
 
 
 def _finished(run_id: str, status: str) -> tuple[str, Path]:

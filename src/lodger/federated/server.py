@@ -174,15 +174,23 @@ def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: Roun
     else:
         raise FederatedError(f"round {round_no}: fewer than {fed.min_clients} clients answered in "
                              f"{MAX_SHORT_ROUNDS} attempts; the run stops at round {current.round}")
+    return commit_round(job_id, round_no, good, declined, current, store, config_bytes, ledger, fed.aggregation)
+
+
+def commit_round(job_id: str, round_no: int, good: list, declined: dict, current: Committed, store: RoundStore,
+                 config_bytes: bytes, ledger, aggregation: str = "fedavg") -> Committed:
+    """Aggregate the good replies ((Reply, node) pairs) of round ``round_no``, commit the round, and
+    record it (a `federated_round` event: what `lodger compare` and `lodger export` read back)."""
     updates = [Update(r.client_id, r.tokens, r.tensors) for r, _ in good]
     tensors = fedavg(updates, current.tensors or None)
     participants = [{"client_id": r.client_id, "node_id": str(node), "target_tokens": r.tokens, "steps": r.steps,
                      "train_loss": r.loss, "sha256": r.sha256, "bytes": r.bytes}
                     for r, node in sorted(good, key=lambda g: g[0].client_id)]
-    state = {"round": round_no, "job_id": job_id, "aggregation": fed.aggregation, "participants": participants,
+    state = {"round": round_no, "job_id": job_id, "aggregation": aggregation, "participants": participants,
              "declined": declined, "started_from": tensors_sha256(current.tensors),
              "sha256": tensors_sha256(tensors), "bytes": tensors_bytes(tensors),
-             "total_tokens": int(current.state.get("total_tokens", 0)) + sum(u.tokens for u in updates)}
+             "total_tokens": int(current.state.get("total_tokens", 0)) + sum(u.tokens for u in updates),
+             "total_steps": int(current.state.get("total_steps", 0)) + sum(r.steps for r, _ in good)}
     store.commit(round_no, tensors, config_bytes, state)
     ledger.event(None, "federated_round", **state)
     return Committed(round_no, tensors, config_bytes, state)
