@@ -41,8 +41,9 @@ def load_federated_job(path: Path) -> JobConfig:
     if job.federated is None:
         raise FederatedError(f"{path}: no [federated] section; add one (rounds, local_steps, min_clients)")
     if job.federated.privacy.secure_aggregation:
-        raise FederatedError(f"{path}: [federated.privacy] secure_aggregation = true is not supported by lodger "
-                             "yet; the run is refused rather than run without it (set it to false)")
+        from .plan import SECAGG_REFUSAL
+
+        raise FederatedError(f"{path}: [federated.privacy] secure_aggregation = true: {SECAGG_REFUSAL}")
     return job
 
 
