@@ -66,6 +66,19 @@ def _committed_rounds(server_home: Path) -> list[int]:
                   if p.name.startswith("step-") and (p / "MANIFEST.json").is_file())
 
 
+def _round_run_status(home: Path, record: Path) -> str | None:
+    """The status of the local run a client's round record names (None: not yet there)."""
+    import sqlite3
+
+    try:
+        run_id = json.loads(record.read_text())["run_id"]
+    except (OSError, ValueError):
+        return None
+    with sqlite3.connect(home / "ledger.db") as db:
+        row = db.execute("SELECT status FROM runs WHERE id=?", (run_id,)).fetchone()
+    return row[0] if row else None
+
+
 def _events(home: Path, kind: str) -> list[dict]:
     from lodger.ledger import Ledger
 
@@ -125,7 +138,8 @@ def test_two_clients_three_rounds_survive_a_server_kill_and_match_the_reference(
         # the round is short of min_clients and asked again; bob's restarted SuperNode rejoins and
         # finishes that round's local run (interrupted_client = "finish"), so the result is unchanged.
         bob_record = homes["bob"] / "federated" / "fedjob" / "client" / f"round-{ROUNDS:06d}.json"
-        wait_until(bob_record.is_file, 900, server.process, what=f"bob's local run of round {ROUNDS}", interval=0.1)
+        wait_until(lambda: _round_run_status(homes["bob"], bob_record) == "running", 900, server.process,
+                   what=f"bob's local run of round {ROUNDS} training", interval=0.1)
         bob_node = started[1 + CLIENTS.index("bob")]
         bob_node.kill()
         started.append(processes.start_supernode(
