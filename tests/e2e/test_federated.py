@@ -161,7 +161,8 @@ def test_two_clients_three_rounds_survive_a_server_kill_and_match_the_reference(
     starts = _events(server_home, "federated_server_started")
     assert [s["data"]["resumed_after_round"] for s in starts] == [0, max(committed_at_kill)], logs
     short = [e["data"] for e in _events(server_home, "federated_round_short")]
-    assert any(e["round"] == ROUNDS and e["replies"] == 1 for e in short), (short, logs)
+    assert any(e["round"] == ROUNDS and e["replies"] == 1 and "1" not in e["declined"]
+               and any("Node Unavailable" in why for why in e["declined"].values()) for e in short), (short, logs)
     bob_run = json.loads(bob_record.read_text())["run_id"]
     bob_kinds = [e["kind"] for e in _events(homes["bob"], "resumed") + _events(homes["bob"], "finished")
                  if e["run_id"] == bob_run]

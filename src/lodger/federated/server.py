@@ -91,9 +91,12 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
     order_sha = tensors_sha256(current.tensors)
     messages = [Message(content, dst_node_id=node, message_type="train") for node in chosen]
     replies = grid.send_and_receive(messages, timeout=fed.round_timeout_seconds)
+    # An error the SuperLink answers for a node (e.g. "node unavailable": no heartbeat) comes from
+    # the SuperLink itself; the message it answers says which node it was for.
+    sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
     good, declined = [], {}
     for reply in replies:
-        node = reply.metadata.src_node_id
+        node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
         if reply.has_error():
             declined[str(node)] = reply.error.reason[-500:]
             continue
