@@ -219,8 +219,8 @@ class FederatedPrivacyConfig(Section):
     """Gaussian noise added by each client to its clipped update, with standard deviation
     noise_multiplier * clip_norm (differential privacy); 0 adds none. Needs `clip_norm`."""
     secure_aggregation: bool = False
-    """Mask updates so the server sees only their sum (Flower's SecAgg+). Not supported by lodger yet:
-    a job asking for it is refused rather than run without it."""
+    """Mask updates so the server sees only their sum (Flower's SecAgg+). Not supported: a job asking
+    for it is refused rather than run without it (why: federated/plan.py SECAGG_REFUSAL)."""
 
     @model_validator(mode="after")
     def _noise_needs_clip(self) -> "FederatedPrivacyConfig":

@@ -1,13 +1,15 @@
 """Federated fine-tuning on Flower's deployment runtime: a real SuperLink and real SuperNodes on
 127.0.0.1, each client with its own LODGER_HOME and registered dataset, the tiny random Llama.
 
-One heavy scenario (three rounds, the server side SIGKILLed after round 1 is committed and started
-again) and one light in-process check (one client, one local step: the first round's global adapter
-is a local run's adapter, bit for bit).
+One heavy scenario (three rounds; the server side SIGKILLed after round 1 is committed and started
+again, then one client's SuperNode SIGKILLed mid-round and started again) and light in-process
+checks (one client, one local step: the first round's global adapter is a local run's adapter, bit
+for bit; a client killed mid-round).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -64,6 +66,19 @@ def _committed_rounds(server_home: Path) -> list[int]:
                   if p.name.startswith("step-") and (p / "MANIFEST.json").is_file())
 
 
+def _round_run_status(home: Path, record: Path) -> str | None:
+    """The status of the local run a client's round record names (None: not yet there)."""
+    import sqlite3
+
+    try:
+        run_id = json.loads(record.read_text())["run_id"]
+    except (OSError, ValueError):
+        return None
+    with sqlite3.connect(home / "ledger.db") as db:
+        row = db.execute("SELECT status FROM runs WHERE id=?", (run_id,)).fetchone()
+    return row[0] if row else None
+
+
 def _events(home: Path, kind: str) -> list[dict]:
     from lodger.ledger import Ledger
 
@@ -118,6 +133,18 @@ def test_two_clients_three_rounds_survive_a_server_kill_and_match_the_reference(
         server = _start_server(tmp_path, port)
         started.append(server)
         flower_run = _submit(tmp_path, superlink, job)
+        # A client's power cut mid-round: once bob's local run of the last round exists, his
+        # SuperNode and its ClientApp die at once. Flower marks the node unavailable (no heartbeat),
+        # the round is short of min_clients and asked again; bob's restarted SuperNode rejoins and
+        # finishes that round's local run (interrupted_client = "finish"), so the result is unchanged.
+        bob_record = homes["bob"] / "federated" / "fedjob" / "client" / f"round-{ROUNDS:06d}.json"
+        wait_until(lambda: _round_run_status(homes["bob"], bob_record) == "running", 900, server.process,
+                   what=f"bob's local run of round {ROUNDS} training", interval=0.1)
+        bob_node = started[1 + CLIENTS.index("bob")]
+        bob_node.kill()
+        started.append(processes.start_supernode(
+            homes["bob"], superlink, {"lodger-home": str(homes["bob"]), "client-id": "bob", "dataset": "bob-notes",
+                                      "job": str(job)}))
         wait_until(lambda: ROUNDS in _committed_rounds(server_home), 900, server.process,
                    what=f"round {ROUNDS} committed after the restart", interval=0.2)
         wait_until(lambda: _events(server_home, "federated_finished"), 120, server.process,
@@ -133,6 +160,13 @@ def test_two_clients_three_rounds_survive_a_server_kill_and_match_the_reference(
     # The server continued after its last committed round instead of starting again.
     starts = _events(server_home, "federated_server_started")
     assert [s["data"]["resumed_after_round"] for s in starts] == [0, max(committed_at_kill)], logs
+    short = [e["data"] for e in _events(server_home, "federated_round_short")]
+    assert any(e["round"] == ROUNDS and e["replies"] == 1 and "1" not in e["declined"]
+               and any("Node Unavailable" in why for why in e["declined"].values()) for e in short), (short, logs)
+    bob_run = json.loads(bob_record.read_text())["run_id"]
+    bob_kinds = [e["kind"] for e in _events(homes["bob"], "resumed") + _events(homes["bob"], "finished")
+                 if e["run_id"] == bob_run]
+    assert bob_kinds == ["resumed", "finished"], bob_kinds  # the killed round's run, finished after the rejoin
     rounds = _events(server_home, "federated_round")
     assert sorted({r["data"]["round"] for r in rounds}) == list(range(1, ROUNDS + 1))
     for event in rounds:
@@ -228,3 +262,20 @@ def test_a_client_killed_mid_round_finishes_the_paid_steps_from_its_checkpoint(t
     assert "resumed" in kinds and "federated_client_round" in kinds, kinds
     clean, _ = train_round(job, "alice", "alice-notes", RoundOrder(1, "clean", 2, {}, tensors_sha256({}), 0))
     assert tensors_sha256(resumed) == tensors_sha256(clean)
+
+    # Killed again, and this time the server moves on to round 2 without it: the partial work is
+    # never sent, and the client's ledger says so instead of "running" forever.
+    from lodger.federated.client import settle_abandoned
+
+    moved = subprocess.run([sys.executable, "-c", script.replace("'killed'", "'moved'"), str(job),
+                            tensors_sha256({})], capture_output=True, text=True, timeout=600,
+                           env=lodger_env(home, LODGER_FAULT="before_rename@1"))
+    assert moved.returncode == -9, describe(moved)
+    moved_run = json.loads((home / "federated" / "moved" / "client" / "round-000001.json").read_text())["run_id"]
+    assert settle_abandoned("moved", 1) == []  # the same round asked again is resumed, not abandoned
+    assert settle_abandoned("moved", 2) == [moved_run] and settle_abandoned("moved", 3) == []
+    with Ledger(home / "ledger.db") as ledger:
+        assert ledger.run(moved_run)["status"] == "interrupted"
+        [abandoned] = [e["data"] for e in ledger.events(moved_run) if e["kind"] == "federated_round_abandoned"]
+        assert ledger.run(runs[0].name)["status"] == "finished"  # a finished round is left as it is
+    assert abandoned["round"] == 1 and abandoned["now_round"] == 2 and "never sent" in abandoned["reason"]

@@ -153,3 +153,21 @@ def test_update_protection_clips_the_update_and_its_noise_is_seeded():
     again = protect(trained, start, {"clip_norm": 0.5, "noise_multiplier": 1.0}, 0, 1, "alice")
     other = protect(trained, start, {"clip_norm": 0.5, "noise_multiplier": 1.0}, 0, 1, "bob")
     assert tensors_sha256(noisy) == tensors_sha256(again) != tensors_sha256(other) != tensors_sha256(clipped)
+
+
+def test_the_noise_depends_on_a_secret_the_server_does_not_know(tmp_path, monkeypatch):
+    """Seeded only by what the server knows (job seed, round, client id), the noise could be
+    regenerated and subtracted by the server; each client mixes in its own kept secret."""
+    from lodger.federated.client import noise_secret, protect
+
+    monkeypatch.setenv("LODGER_HOME", str(tmp_path))
+    start, trained = _adapter(1), _adapter(2)
+    privacy = {"clip_norm": 0.5, "noise_multiplier": 1.0}
+    secret = noise_secret("job-a")
+    path = tmp_path / "federated" / "job-a" / "client" / "noise-secret"
+    assert len(secret) == 32 and path.stat().st_mode & 0o777 == 0o600
+    assert noise_secret("job-a") == secret != noise_secret("job-b")  # kept: a round sent again is the same
+    known = protect(trained, start, privacy, 0, 1, "alice")
+    mine = protect(trained, start, privacy, 0, 1, "alice", secret)
+    assert tensors_sha256(mine) == tensors_sha256(protect(trained, start, privacy, 0, 1, "alice", secret))
+    assert tensors_sha256(mine) != tensors_sha256(known)

@@ -63,6 +63,8 @@ def test_declared_limits_decline_the_round_that_would_pass_them(tmp_path: Path, 
     [summary] = owner.participation(Ledger())
     assert (summary["rounds"], summary["last_round"], summary["declined"]) == (2, 2, 2)
     assert summary["last_declined"]["round"] == 3 and "rounds declares" in summary["last_declined"]["reason"]
+    # Round 2 asked again (the server was short and asks the same round): not one more round.
+    assert owner.round_verdict(lodger_home, job, "clinic", round=2) is None
 
 
 def test_the_policy_declines_outside_the_allowed_hours_and_the_hold_comes_first(tmp_path: Path,

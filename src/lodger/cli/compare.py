@@ -49,6 +49,27 @@ def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
     click.echo(f"verdict: {c.verdict}")
 
 
+def _compare_federated(a: str, b: str, as_json: bool) -> None:
+    from ..federated.evaluate import compare_federated, is_federated, job_id_of
+
+    if is_federated(a) == is_federated(b):
+        raise LodgerError(f"compare {a} {b}: give one federated job (federated:JOB_ID) and one centralized run")
+    fed, central = (a, b) if is_federated(a) else (b, a)
+    c = compare_federated(job_id_of(fed), central)
+    if as_json:
+        click.echo(json.dumps(c.as_dict(), indent=1))
+        return
+    click.echo(f"federated = {fed} (each round's global adapter, evaluated here)\ncentralized = {c.central_run}")
+    click.echo(f"eval set: the centralized run's, {c.examples} examples; gap = federated - centralized")
+    click.echo(f"{'round':>5}  {'steps':>6}  {'clients':>7}  {'federated':>10}  {'central@step':>18}  {'gap':>9}")
+    fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731
+    for r in c.rows:
+        central = f"{fmt(r['central_eval_loss'])}@{r['central_step']}" if r["central_step"] is not None else "-"
+        gap = f"{r['gap']:+.4f}" if r["gap"] is not None else "-"
+        click.echo(f"{r['round']:>5}  {r['steps']:>6}  {r['clients']:>7}  {fmt(r['federated_eval_loss']):>10}  "
+                   f"{central:>18}  {gap:>9}")
+
+
 @click.command()
 @click.argument("run_id", metavar="RUN")
 @click.argument("other", metavar="OTHER")
@@ -65,9 +86,21 @@ def compare(run_id: str, other: str, tolerance: float, plot_path: Path | None, a
     whether the final trainable weights are bitwise equal, and each run's interruptions.
     Exits 0 when the runs are equal (bitwise or within tolerance), 1 otherwise.
 
+    A federated job (`federated:JOB_ID`, on the coordinating machine) against a centralized run on
+    the union of the data: each round's global adapter is evaluated on the centralized run's eval
+    set and set against that run's eval loss at the same number of optimizer steps; prints the gap
+    per round (exit 0: a report, not a verdict).
+
+    \b
     Example: lodger compare my-job-resumed my-job-baseline --plot cmp.png
+    Example: lodger compare federated:clinic-job clinic-union-20261129-101500-ab12
     """
     from ..compare import compare_runs, plot
+    from ..federated.evaluate import is_federated
+
+    if is_federated(run_id) or is_federated(other):
+        _compare_federated(run_id, other, as_json)
+        return
 
     c = compare_runs(run_id, other, tolerance)
     _print_comparison(c, as_json)

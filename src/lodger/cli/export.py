@@ -29,11 +29,25 @@ def export(run_id: str, dest: Path, formats: tuple[str, ...], outtype: str) -> N
     what the weights were trained against, how to load them) and MANIFEST.json (every file's sha256
     and the ledger's chain head). DIR must not exist or be empty; it appears only when complete.
 
+    A federated job (`federated:JOB_ID`, on the coordinating machine) exports its newest global
+    adapter (peft) with the per-round record: rounds.json, a rounds table in the card, and the
+    rounds' summary in MANIFEST.json.
+
     \b
     Example: lodger export my-job-20261129-101500-ab12 ./my-adapter
     Example: lodger export my-job-20261129-101500-ab12 ./out --format peft,merged,gguf --outtype q8_0
+    Example: lodger export federated:clinic-job ./clinic-adapter
     """
     from ..export import export_run, parse_formats
+
+    if run_id.startswith("federated:"):
+        from ..export.federated import export_federated
+
+        if set(parse_formats(formats)) - {"peft"}:
+            raise click.UsageError("a federated job exports as --format peft (its global LoRA adapter)")
+        manifest = export_federated(run_id.removeprefix("federated:"), dest, say=lambda line: click.echo(f"  {line}"))
+        click.echo(f"exported {manifest['run']} ({len(manifest['federated_rounds'])} rounds) to {dest}")
+        return
 
     chosen = parse_formats(formats)
     manifest = export_run(run_id, dest, chosen or None, outtype, say=lambda line: click.echo(f"  {line}"))

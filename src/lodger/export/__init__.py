@@ -32,7 +32,7 @@ def parse_formats(values: tuple[str, ...] | list[str]) -> list[str]:
     return [f for f in FORMATS if f in wanted]
 
 
-def _check_dest(dest: Path) -> None:
+def check_dest(dest: Path) -> None:
     if dest.is_file() or dest.is_symlink():
         raise ExportError(f"{dest} is an existing file; choose a new folder name")
     if dest.exists() and any(dest.iterdir()):
@@ -46,7 +46,7 @@ def _method(run_folder: Path):
     return MethodConfig.model_validate({k: v for k, v in raw.get("method", {}).items() if k != "init_adapter"})
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
     """Every file and folder on disk before the rename makes the export visible."""
     from ..durable import fsync_dir
 
@@ -69,7 +69,7 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
     from .gguf import check_supported
 
     dest = Path(dest)
-    _check_dest(dest)
+    check_dest(dest)
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
         events, provenance = ledger.events(run["id"]), ledger.provenance(run["id"])
@@ -96,8 +96,8 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
 
         manifest = write_manifest(tmp, run_id=run["id"], formats=formats, ledger_head=head,
                                   extra={"outtype": outtype} if "gguf" in formats else {})
-        _fsync_tree(tmp)
-        _check_dest(dest)  # again: someone may have written there meanwhile
+        fsync_tree(tmp)
+        check_dest(dest)  # again: someone may have written there meanwhile
         if dest.exists():
             dest.rmdir()
         os.rename(tmp, dest)

@@ -105,6 +105,7 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
     from ..run import create_run, execute, resume_prepared
     from ..runlock import is_locked
 
+    settle_abandoned(order.job_id, order.round)
     earlier = _earlier_run(order.job_id, order)
     if earlier is not None and run_dir(earlier).is_dir():
         _wait_unlocked(run_dir(earlier), is_locked, wait_seconds)
@@ -126,6 +127,43 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
                          json.dumps({"run_id": run_id, "started_from": order.sha256}).encode())
     status = execute(run_id, prepared, resuming=False, quiet=True)
     return _finished(run_id, status)
+
+
+UNSETTLED = ("created", "running", "held")
+"""Statuses a round's local run keeps when its process was killed (a clean stop says so itself)."""
+
+
+def settle_abandoned(job_id: str, now_round: int) -> list[str]:
+    """Earlier rounds' local runs that a killed ClientApp left unsettled: the server has moved on to
+    ``now_round``, so that work will never be sent. Each is marked ``interrupted`` by a
+    `federated_round_abandoned` event with the reason (its steps stay on disk and in the record),
+    so the client's ledger says what happened instead of "running" forever. A run a live process
+    still holds is left alone. Returns the runs marked."""
+    from ..home import run_dir
+    from ..ledger import Ledger
+    from ..runlock import is_locked
+
+    marked = []
+    folder = _client_folder(job_id)
+    if not folder.is_dir():
+        return marked
+    with Ledger() as ledger:
+        for path in sorted(folder.glob("round-*.json")):
+            try:
+                round_no, run_id = int(path.stem.split("-")[1]), json.loads(path.read_bytes())["run_id"]
+            except (ValueError, KeyError, IndexError, OSError, TypeError):
+                continue
+            if round_no >= now_round or not ledger.has_run(run_id) or is_locked(run_dir(run_id)):
+                continue
+            run = ledger.run(run_id)
+            if run["status"] in UNSETTLED:
+                ledger.set_status(run_id, "interrupted", event="federated_round_abandoned", job_id=job_id,
+                                  round=round_no, now_round=now_round, step=run["step"],
+                                  reason=f"this client's process died during round {round_no} and the server has "
+                                         f"moved on to round {now_round}: the {run['step']} local step(s) done were "
+                                         "never sent and will not be")
+                marked.append(run_id)
+    return marked
 
 
 def _finished(run_id: str, status: str) -> tuple[str, Path]:
@@ -163,10 +201,33 @@ def round_result(run_id: str) -> tuple[int, int, float]:
     return tokens, steps, loss
 
 
+def noise_secret(job_id: str) -> bytes:
+    """This client's secret for the noise of ``job_id``: 32 random bytes made once, kept in the
+    client's folder (0600). The noise must be unpredictable to the server (a seed it knows would let
+    it subtract the noise), yet the same when this client sends a round again (a restarted server
+    asks again and must get the same answer)."""
+    import secrets
+
+    from ..home import private_mkdir
+
+    path = _client_folder(job_id) / "noise-secret"
+    try:
+        data = path.read_bytes()
+        if len(data) == 32:
+            return data
+    except FileNotFoundError:
+        pass
+    private_mkdir(path.parent)
+    durable.atomic_write(path, secrets.token_bytes(32))
+    os.chmod(path, 0o600)
+    return path.read_bytes()
+
+
 def protect(tensors: dict[str, np.ndarray], start: dict[str, np.ndarray], privacy: dict, seed: int,
-            round_no: int, client_id: str) -> dict[str, np.ndarray]:
-    """Clip the update (trained minus received) to ``clip_norm`` and add seeded Gaussian noise of
-    standard deviation ``noise_multiplier * clip_norm`` (the fixed-clipping client-side DP recipe)."""
+            round_no: int, client_id: str, secret: bytes = b"") -> dict[str, np.ndarray]:
+    """Clip the update (trained minus received) to ``clip_norm`` and add Gaussian noise of standard
+    deviation ``noise_multiplier * clip_norm`` (the fixed-clipping client-side DP recipe). The noise
+    is drawn from the job's seed, the round, the client id and this client's ``secret``."""
     clip = privacy.get("clip_norm")
     if not clip:
         return tensors
@@ -175,7 +236,8 @@ def protect(tensors: dict[str, np.ndarray], start: dict[str, np.ndarray], privac
     norm = float(np.sqrt(sum(float(np.sum(d * d)) for d in delta.values())))
     scale = min(1.0, float(clip) / norm) if norm > 0 else 1.0
     sigma = float(privacy.get("noise_multiplier", 0.0)) * float(clip)
-    rng = np.random.default_rng([seed, round_no, int.from_bytes(client_id.encode()[:8].ljust(8, b"\0"), "little")])
+    rng = np.random.default_rng([seed, round_no, int.from_bytes(client_id.encode()[:8].ljust(8, b"\0"), "little"),
+                                 int.from_bytes(secret, "little")])
     out = {}
     for k in names:
         noisy = delta[k] * scale + (rng.normal(0.0, sigma, delta[k].shape) if sigma > 0 else 0.0)
@@ -208,7 +270,9 @@ def train_round(job_path: Path, client_id: str, dataset: str, order: RoundOrder)
     tokens, steps, loss = round_result(run_id)
     trained = safetensors_tensors((adapter / ADAPTER).read_bytes())
     seed = int((read_toml(job_path, "job file").get("training") or {}).get("seed", 0))
-    sent = protect(trained, order.tensors, federated.get("privacy") or {}, seed, order.round, client_id)
+    privacy = federated.get("privacy") or {}
+    secret = noise_secret(order.job_id) if privacy.get("clip_norm") and privacy.get("noise_multiplier") else b""
+    sent = protect(trained, order.tensors, privacy, seed, order.round, client_id, secret)
     facts = {"tokens": tokens, "steps": steps, "loss": loss}
     with Ledger() as ledger:
         ledger.event(run_id, "federated_client_round", job_id=order.job_id, round=order.round, client_id=client_id,

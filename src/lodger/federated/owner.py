@@ -198,16 +198,20 @@ def taken_rounds(ledger, job, dataset) -> list[dict]:
 def usage(ledger, job, dataset) -> dict:
     """Rounds taken, their wall and CPU seconds, and when the owner approved (None: never)."""
     taken = taken_rounds(ledger, job, dataset)
-    return {"rounds": len({r["round"] for r in taken}), "wall_seconds": sum(r["wall_seconds"] for r in taken),
+    return {"rounds": len({r["round"] for r in taken}), "taken": sorted({r["round"] for r in taken}, key=str),
+            "wall_seconds": sum(r["wall_seconds"] for r in taken),
             "cpu_seconds": sum(r["cpu_seconds"] for r in taken),
             "approved_at": _since_approval(ledger, participation_id(job, dataset))[1]}
 
 
-def _limit_reasons(job, used: dict, now: float) -> list[str]:
-    """A declared limit that one more round (as long as the rounds so far, on average) would pass."""
+def _limit_reasons(job, used: dict, now: float, round_no: int | None = None) -> list[str]:
+    """A declared limit that one more round (as long as the rounds so far, on average) would pass.
+    A round this machine already took, asked again (a client or the server was restarted and the
+    round was short), is not one more round: the rounds limit does not refuse it."""
     reasons, n = [], used["rounds"]
     rounds = job.federated.rounds if job.federated is not None else None
-    if rounds is not None and n >= rounds:
+    again = round_no is not None and round_no in used.get("taken", ())
+    if rounds is not None and n >= rounds and not again:
         reasons.append(f"this machine took the {rounds} round(s) [federated] rounds declares")
     per_round_wall = used["wall_seconds"] / n if n else 0.0
     wall = job.remote.wall_hours
@@ -245,7 +249,7 @@ def round_verdict(home: Path, job=None, dataset=None, *, round: int | None = Non
     reasons = [r for r in (held_reason(home, job, dataset),) if r]
     with _ledger(home) as ledger:
         if not reasons:
-            reasons = _limit_reasons(job, usage(ledger, job, dataset), time.time())
+            reasons = _limit_reasons(job, usage(ledger, job, dataset), time.time(), round)
         if not reasons:
             reasons = [f"[policy]: {r}" for r in _policy_reasons(job)]
         if not reasons:

@@ -9,7 +9,7 @@ on, and a few metrics; the server sends the global adapter, the same tensors, to
 
 Checks: the job has a [federated] section; every limit is declared ([federated] rounds, [remote]
 wall_hours, [limits] max_compute_hours: the compute one client gives); secure aggregation is not
-asked for (lodger does not wire SecAgg+ yet, so it refuses rather than run without it); on a
+asked for (SECAGG_REFUSAL says why it cannot be, so it refuses rather than run without it); on a
 client, every data file is a registered dataset that may federate (owner.py); plain-text
 transport only on loopback. Checking writes nothing; ``record`` puts the verdict in the ledger.
 
@@ -95,6 +95,17 @@ class FederatedPlan:
         }
 
 
+SECAGG_REFUSAL = (
+    "not supported, and the job is refused rather than run without the protection it asks for. Flower "
+    "1.42's SecAgg+ (flwr.server.workflow.SecAggPlusWorkflow with flwr.client.mod.secaggplus_mod) runs "
+    "only inside Flower's legacy strategy workflow (it needs a LegacyContext and the legacy FitIns/FitRes "
+    "records; flwr.serverapp and flwr.clientapp have no Message-API version), not lodger's committed round "
+    "loop; and it sums quantized updates (clipping_range, quantization_range), so each round's adapter "
+    "could not be the exact float64 FedAvg that a restarted server reproduces bit for bit. Fix: set it to "
+    "false (clip_norm with noise_multiplier still protects each update)")
+"""Why `secure_aggregation = true` is refused (plan check and server)."""
+
+
 def adapter_tensors(job, model_config: dict) -> list[Tensor]:
     """The adapter's tensors in peft's naming, in the order peft saves them (layer, module, A then B)."""
     from ..memory_model import model_shape
@@ -149,8 +160,7 @@ def check(job_path: Path, side: str, *, server: str, insecure: bool = False,
     plan = FederatedPlan(job_path.resolve(), job, side, server, dataset=job_dataset(job) if side == "client" else None)
     reasons = _limit_problems(job)
     if job.federated.privacy.secure_aggregation:
-        reasons.append("[federated.privacy] secure_aggregation = true: lodger does not run Flower's SecAgg+ yet, and "
-                       "will not run the job without the protection it asks for; fix: set it to false, or wait")
+        reasons.append("[federated.privacy] secure_aggregation = true: " + SECAGG_REFUSAL)
     try:
         check_insecure(server, insecure)
     except LodgerError as exc:

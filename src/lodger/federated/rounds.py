@@ -27,6 +27,8 @@ from ..home import home
 ADAPTER = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 ROUND_STATE = "round.json"
+KEEP_ROUNDS = 1_000_000
+"""Every round's global adapter is kept (a LoRA adapter is MiBs): `lodger compare` evaluates each one."""
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -61,7 +63,7 @@ def safetensors_tensors(data: bytes) -> dict[str, np.ndarray]:
 class RoundStore:
     """Commit and read back the server's rounds for one federated job."""
 
-    def __init__(self, job_id: str, root: Path | None = None, keep_last: int = 3):
+    def __init__(self, job_id: str, root: Path | None = None, keep_last: int = KEEP_ROUNDS):
         self.folder = job_folder(job_id, root)
         self.store = CheckpointStore(self.folder / "rounds", keep_last=keep_last)
 
@@ -72,6 +74,14 @@ class RoundStore:
             return Committed()
         state = json.loads(ckpt.files[ROUND_STATE])
         return Committed(ckpt.step, safetensors_tensors(ckpt.files[ADAPTER]), ckpt.files[ADAPTER_CONFIG], state)
+
+    def rounds(self) -> dict[int, Path]:
+        """Every committed round's folder, by round number."""
+        return dict(self.store.committed())
+
+    def tensors_of(self, round_no: int) -> dict[str, np.ndarray]:
+        """Round ``round_no``'s global adapter, its manifest and hashes checked."""
+        return safetensors_tensors(self.store.load_step(round_no).files[ADAPTER])
 
     def commit(self, round_no: int, tensors: dict[str, np.ndarray], adapter_config: bytes, state: dict) -> Path:
         """Round ``round_no`` committed (manifest last), then the plain adapter folder refreshed."""

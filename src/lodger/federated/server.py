@@ -41,8 +41,9 @@ def load_federated_job(path: Path) -> JobConfig:
     if job.federated is None:
         raise FederatedError(f"{path}: no [federated] section; add one (rounds, local_steps, min_clients)")
     if job.federated.privacy.secure_aggregation:
-        raise FederatedError(f"{path}: [federated.privacy] secure_aggregation = true is not supported by lodger "
-                             "yet; the run is refused rather than run without it (set it to false)")
+        from .plan import SECAGG_REFUSAL
+
+        raise FederatedError(f"{path}: [federated.privacy] secure_aggregation = true: {SECAGG_REFUSAL}")
     return job
 
 
@@ -90,9 +91,12 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
     order_sha = tensors_sha256(current.tensors)
     messages = [Message(content, dst_node_id=node, message_type="train") for node in chosen]
     replies = grid.send_and_receive(messages, timeout=fed.round_timeout_seconds)
+    # An error the SuperLink answers for a node (e.g. "node unavailable": no heartbeat) comes from
+    # the SuperLink itself; the message it answers says which node it was for.
+    sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
     good, declined = [], {}
     for reply in replies:
-        node = reply.metadata.src_node_id
+        node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
         if reply.has_error():
             declined[str(node)] = reply.error.reason[-500:]
             continue
@@ -174,15 +178,23 @@ def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: Roun
     else:
         raise FederatedError(f"round {round_no}: fewer than {fed.min_clients} clients answered in "
                              f"{MAX_SHORT_ROUNDS} attempts; the run stops at round {current.round}")
+    return commit_round(job_id, round_no, good, declined, current, store, config_bytes, ledger, fed.aggregation)
+
+
+def commit_round(job_id: str, round_no: int, good: list, declined: dict, current: Committed, store: RoundStore,
+                 config_bytes: bytes, ledger, aggregation: str = "fedavg") -> Committed:
+    """Aggregate the good replies ((Reply, node) pairs) of round ``round_no``, commit the round, and
+    record it (a `federated_round` event: what `lodger compare` and `lodger export` read back)."""
     updates = [Update(r.client_id, r.tokens, r.tensors) for r, _ in good]
     tensors = fedavg(updates, current.tensors or None)
     participants = [{"client_id": r.client_id, "node_id": str(node), "target_tokens": r.tokens, "steps": r.steps,
                      "train_loss": r.loss, "sha256": r.sha256, "bytes": r.bytes}
                     for r, node in sorted(good, key=lambda g: g[0].client_id)]
-    state = {"round": round_no, "job_id": job_id, "aggregation": fed.aggregation, "participants": participants,
+    state = {"round": round_no, "job_id": job_id, "aggregation": aggregation, "participants": participants,
              "declined": declined, "started_from": tensors_sha256(current.tensors),
              "sha256": tensors_sha256(tensors), "bytes": tensors_bytes(tensors),
-             "total_tokens": int(current.state.get("total_tokens", 0)) + sum(u.tokens for u in updates)}
+             "total_tokens": int(current.state.get("total_tokens", 0)) + sum(u.tokens for u in updates),
+             "total_steps": int(current.state.get("total_steps", 0)) + sum(r.steps for r, _ in good)}
     store.commit(round_no, tensors, config_bytes, state)
     ledger.event(None, "federated_round", **state)
     return Committed(round_no, tensors, config_bytes, state)
