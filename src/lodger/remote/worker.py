@@ -96,6 +96,10 @@ def main(run_id: str, run_uri: str, submission_id: str) -> int:
         if code is not None:
             heartbeat.write(store, submission_id, time.monotonic() - started,
                             segment=mirror.state and mirror.state["segment"], ended=True)
+            if not store.local:  # everything is in the bucket; the node keeps no copy of the data
+                from .. import durable
+
+                durable.remove_tree(root)
             return code if code >= 0 else 128 - code
 
 
