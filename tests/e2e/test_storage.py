@@ -15,7 +15,12 @@ from pathlib import Path
 
 import pytest
 from s3_server import boto_client, s3_bucket, s3_server  # noqa: F401 - fixtures
-from test_remote_ray import ray_head  # noqa: F401 - fixture (a real local Ray head, started only when asked)
+try:  # a real local Ray head, started only by the test that asks for it
+    from test_remote_ray import ray_head  # noqa: F401 - fixture
+except pytest.skip.Exception:  # ray not installed: only the scenario that needs it is skipped
+    @pytest.fixture(scope="module")
+    def ray_head():
+        pytest.skip("ray is not installed (pip install 'lodger[remote]')")
 
 from lodger.errors import CheckpointError
 from lodger.remote import storage
