@@ -308,6 +308,23 @@ def test_sync_and_resume_take_only_checkpoints_whose_manifest_verifies(s3_bucket
     assert sorted(p.name for p in (fresh / "checkpoints").iterdir()) == ["step-00000002"]
 
 
+def test_sync_of_a_run_whose_storage_cannot_be_reached_says_so_and_takes_nothing(s3_bucket, tmp_path, monkeypatch):
+    import socket
+
+    from lodger.home import run_dir
+    from lodger.ledger import Ledger
+    from lodger.remote import RemoteError
+    from lodger.remote.sync import sync
+
+    run, _ = _remote_run(s3_bucket, tmp_path / "home", monkeypatch)
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{sock.getsockname()[1]}")
+    with Ledger() as ledger, pytest.raises(RemoteError, match="cannot read the job run wired-run was submitted with"):
+        sync(ledger, run)
+    assert not run_dir(run["id"]).exists()
+
+
 def test_a_job_killed_repeatedly_without_checkpoints_stops_at_its_wall_time_limit(s3_bucket, tmp_path, monkeypatch,
                                                                                   tiny_model_dir, e2e_data):
     """Two submissions killed without a checkpoint left only their heartbeats: the next training

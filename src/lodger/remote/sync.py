@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..home import run_dir
 from . import RemoteError, remote_info, run_key, run_storage
 from .eventlog import ChainError, EventLog
-from .storage import MANIFEST, StorageError, StoredCheckpoint, fetch, list_checkpoints, verify
+from .storage import MANIFEST, StorageError, StoredCheckpoint, failures, fetch, list_checkpoints, verify
 
 STICKY = ("cancelled",)  # local decisions the remote side's later events do not overturn
 GENESIS = "0" * 64
@@ -48,8 +48,9 @@ def sync(ledger, run: dict) -> dict:
         for name in ("metrics.jsonl", "log.txt", "provenance.json"):
             _mirror_file(store, f"{key}/{name}", local / name)
         _mirror_adapter(store, f"{key}/adapter", local / "adapter")
-    except StorageError as exc:
-        raise RemoteError(str(exc)) from None
+    except failures() as exc:
+        raise RemoteError(f"{remote_info(run)['dir']}: storage cannot be read now ({exc}); nothing was "
+                          "taken from it, try again once it is reachable") from None
     _ingest(ledger, run, records, copied)
     return ledger.run(run["id"])
 
@@ -64,7 +65,7 @@ def staged_job(run: dict) -> bytes | None:
     where = f"{info['dir']}/job.toml"
     try:
         data = run_storage(run).read_bytes("job.toml")
-    except (OSError, StorageError) as exc:
+    except failures() as exc:
         raise RemoteError(f"{where}: cannot read the job run {run['id']} was submitted with ({exc}); "
                           "lodger copies nothing from this storage until it is back") from None
     got = hashlib.sha256(data).hexdigest()
@@ -78,7 +79,9 @@ def staged_job(run: dict) -> bytes | None:
 def _read(store, key: str) -> bytes | None:
     try:
         return store.read_bytes(key)
-    except (OSError, StorageError):
+    except FileNotFoundError:
+        return None
+    except StorageError:  # a local symlink or FIFO: never followed
         return None
 
 

@@ -63,7 +63,7 @@ def main(run_id: str, run_uri: str, submission_id: str) -> int:
         for prefix in ("data", "model"):
             download_tree(store, prefix, root / prefix)
     home = root / "home"
-    home.mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)  # a lodger home is owner-only
     anchor = json.loads(store.read_bytes("chain_head.json"))["hash"]
     log = EventLog(store, "events", run_id=run_id, anchor=anchor)
     mirror = Mirror(store, home, run_id, submission_id, log)
