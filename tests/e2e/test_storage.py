@@ -367,9 +367,10 @@ def test_a_job_killed_repeatedly_without_checkpoints_stops_at_its_wall_time_limi
 def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s3_server, ray_head, standard_job,
                                                                       baseline, lodger_home, tmp_path, monkeypatch):
     """Through the gate to an s3:// target on a real Ray head: the job stages to and commits
-    checkpoints in the bucket; its training process is SIGKILLed; `resume` continues from the
-    bucket on a fresh scratch home; `sync` brings everything home bitwise equal to a local run.
-    Nothing secret lands in the bucket, the ledger or a job file."""
+    checkpoints in the bucket; `pause` reaches it as an object it polls; `resume` continues from
+    the bucket on a fresh scratch home; its training process is SIGKILLed and resumed again; `sync`
+    brings everything home bitwise equal to a local run. Nothing secret lands in the bucket, the
+    ledger or a job file."""
     import secrets
     import tempfile
 
@@ -389,28 +390,36 @@ def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s
 
     scratch = Path(tempfile.gettempdir()) / "lodger-worker" / run_id / "home" / "runs" / run_id
     wait_until(lambda: (scratch / "metrics.jsonl").exists(), 300, what="the remote run to start", interval=0.05)
-    wait_for_step(scratch, 10, timeout=300)
+    wait_for_step(scratch, 3, timeout=300)
+    paused = run_lodger(["pause", run_id, "--timeout", "120"], env)  # a request object the worker polls
+    assert paused.returncode == 0 and "paused at step" in paused.stdout, describe(paused)
+    step = _wait_synced(run_id, env, ("paused",), ray_ended=True)["step"]
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    run = f"lodger/{run_id}"
+    assert {f"{run}/job.toml", f"{run}/chain_head.json", f"{run}/events/000000001.json",
+            f"{run}/heartbeats/{run_id}-s0.json", f"{run}/home/runs/{run_id}/control/user.json",
+            f"{run}/home/runs/{run_id}/checkpoints/step-{step:08d}/MANIFEST.json"} <= keys, sorted(keys)
+    assert any(k.startswith(f"{run}/data/") for k in keys) and any(k.startswith(f"{run}/model/") for k in keys)
+
+    resumed = run_lodger(["resume", run_id], env)  # a fresh scratch home, seeded from the bucket
+    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
+    wait_for_step(scratch, step + 3, segment=1, timeout=300)
     pid = lock_pid(scratch)
     assert pid, "the training process's lock names no pid"
     os.kill(pid, signal.SIGKILL)
     crashed = _wait_synced(run_id, env, ("crashed",))
     assert crashed["ray_status"] == "FAILED" and crashed["step"] < 24, crashed
-    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
-    run = f"lodger/{run_id}"
-    assert {f"{run}/job.toml", f"{run}/chain_head.json", f"{run}/events/000000001.json",
-            f"{run}/heartbeats/{run_id}-s0.json"} <= keys, sorted(keys)
-    assert any(k.startswith(f"{run}/data/") for k in keys) and any(k.startswith(f"{run}/model/") for k in keys)
 
     resumed = run_lodger(["resume", run_id], env)
     assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
     info = _wait_synced(run_id, env, ("finished",))
     local = run_dir_of(run_id, env)
-    assert info["submission_id"].endswith("-s1") and info["checkpoints"] == ["step-00000020", "step-00000024"], info
+    assert info["submission_id"].endswith("-s2") and info["checkpoints"] == ["step-00000020", "step-00000024"], info
     assert train_records(local) == baseline.records
     assert final_adapter_bytes(local) == baseline.adapter
     shown = show(run_id, env)
     assert {"created", "started", "checkpoint", "resumed", "finished"} <= set(_remote_events(shown))
-    assert event_kinds(shown).count("remote_submitted") == 2 and "remote_job_ended" in event_kinds(shown)
+    assert event_kinds(shown).count("remote_submitted") == 3 and "remote_job_ended" in event_kinds(shown)
     assert shown["last_train"]["step"] == 24  # metrics came home through the event log
     audit = run_lodger(["audit"], env)
     assert audit.returncode == 0, describe(audit)

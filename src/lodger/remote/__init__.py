@@ -25,7 +25,7 @@ from ..errors import RunStateError
 from .backend import TERMINAL, Backend, RemoteError, get_backend
 
 __all__ = ["TERMINAL", "RemoteError", "backend_for", "cancel", "is_remote", "job_logs", "job_status",
-           "pause", "remote_home", "remote_info", "remote_run_dir", "resume", "run_key", "run_storage", "submit"]
+           "pause", "answered_state", "remote_home", "remote_info", "remote_run_dir", "resume", "run_key", "run_storage", "submit"]
 
 
 def run_key(run_id: str) -> str:
@@ -171,6 +171,29 @@ def pause(ledger, run: dict, mode: str) -> Path:
     run_storage(run).write_bytes(f"{run_key(run['id'])}/control/user.json", json.dumps(body).encode())
     ledger.event(run["id"], "pause_requested", mode=mode, by="user", target=run["target"])
     return folder
+
+
+def answered_state(run: dict, folder: Path, every: float = 1.0) -> dict:
+    """What the remote run last said about itself (``control/state.json``), for a command waiting
+    on its answer: read in the shared folder, or, on object storage, synced home at most every
+    ``every`` seconds (one sync is a few small requests)."""
+    import time
+
+    from ..control import run_state
+
+    if not on_shared_folder(run):
+        last = _synced_at.get(run["id"], 0.0)
+        if time.monotonic() - last >= every:
+            from ..ledger import Ledger
+            from .sync import sync
+
+            with Ledger() as ledger:
+                sync(ledger, ledger.run(run["id"]))
+            _synced_at[run["id"]] = time.monotonic()
+    return run_state(folder)
+
+
+_synced_at: dict[str, float] = {}
 
 
 def _clear_requests(run: dict) -> None:

@@ -20,7 +20,7 @@ from ..errors import CheckpointError
 from . import run_key
 from .storage import MANIFEST, Storage, StorageError, build_manifest, fetch, list_checkpoints, verify
 
-FILES = ("metrics.jsonl", "log.txt", "provenance.json")
+FILES = ("metrics.jsonl", "log.txt", "provenance.json", "control/state.json")  # state: what the run says
 REQUESTERS = ("user",)  # the owner's requests cross; an agent's lapse with its (local) pid anyway
 STATE = ("step", "loss", "segment", "status", "total_steps")
 

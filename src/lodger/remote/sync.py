@@ -45,7 +45,7 @@ def sync(ledger, run: dict) -> dict:
         local.mkdir(exist_ok=True)
         keep = _keep_last(staged if staged is not None else _read(store, "job.toml"))
         copied = _sync_checkpoints(store, f"{key}/checkpoints", local / "checkpoints", keep)
-        for name in ("metrics.jsonl", "log.txt", "provenance.json"):
+        for name in ("metrics.jsonl", "log.txt", "provenance.json", "control/state.json"):
             _mirror_file(store, f"{key}/{name}", local / name)
         _mirror_adapter(store, f"{key}/adapter", local / "adapter")
     except failures() as exc:
@@ -127,6 +127,7 @@ def _mirror_file(store, key: str, target: Path) -> None:
             return
     except OSError:
         pass
+    target.parent.mkdir(exist_ok=True)
     durable.atomic_write(target, data)
 
 
