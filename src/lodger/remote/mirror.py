@@ -45,9 +45,9 @@ class Mirror:
         if not store_ready(self.home, self.run_id):
             return
         if not self.store.local:
+            self._pull_requests()  # first: a pause should not wait behind uploads
             self._push_checkpoints()
             self._push_files()
-            self._pull_requests()
         self._push_batch()
 
     # -- the event log -------------------------------------------------------------------------
