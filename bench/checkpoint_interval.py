@@ -6,8 +6,9 @@ is split in two: the first ``--history-hours`` become ledger events (``started``
 picks its interval with ``lodger.ckpt_interval`` exactly as a run would; the rest is the test
 trace. On it each policy is replayed: work in cycles of (interval of work + checkpoint cost C),
 an interruption loses the time since the last commit and the run restarts from it. The fixed
-default is `[checkpoints] every_steps = 50` (config.py's default; `every_seconds` is unset),
-i.e. 50 x ``--step-seconds`` of work between checkpoints.
+policy is `[checkpoints] every_steps = 50` (config.py's default before this one), i.e. 50 x
+``--step-seconds`` of work between checkpoints; "auto" is today's default (`every_seconds =
+"auto"`, `every_steps = 0`).
 
     python bench/checkpoint_interval.py --mtbi-hours 24 --cost 2 --step-seconds 1.5
 
@@ -22,7 +23,7 @@ import random
 
 from lodger.ckpt_interval import choose_interval, expected_loss_per_interruption, interruption_history
 
-DEFAULT_EVERY_STEPS = 50  # config.py CheckpointConfig.every_steps
+DEFAULT_EVERY_STEPS = 50  # config.py CheckpointConfig.every_steps until every_seconds defaulted to "auto"
 
 
 def trace(hours: float, mtbi_hours: float, seed: int) -> list[float]:
@@ -85,7 +86,7 @@ def main() -> None:
     default_interval = DEFAULT_EVERY_STEPS * args.step_seconds
     auto, default = replay(choice.seconds, args.cost, gaps), replay(default_interval, args.cost, gaps)
     print(line("auto", choice.seconds, auto))
-    print(line(f"default (every {DEFAULT_EVERY_STEPS} steps x {args.step_seconds:g} s)", default_interval, default))
+    print(line(f"old default (every {DEFAULT_EVERY_STEPS} steps x {args.step_seconds:g} s)", default_interval, default))
     print(f"# formula: lost per interruption auto {expected_loss_per_interruption(choice.seconds, args.cost):.0f} s, "
           f"default {expected_loss_per_interruption(default_interval, args.cost):.0f} s (half a cycle)")
     waste_auto = auto["lost"] + auto["saving"]

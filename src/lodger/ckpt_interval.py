@@ -149,23 +149,46 @@ class IntervalChoice:
     formula: float            # Daly's optimum before the bounds
     bound: str | None         # "floor" (10 x C) or "ceiling" (1 h) when one applied
     expected_loss: float      # seconds of work redone per interruption at this interval
+    costs_measured: int = 0   # checkpoint times C came from (0: the prior cost)
 
     def as_event(self) -> dict:
-        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        """The event's data: every input, and where the cost and the rate came from."""
+        data = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        data["cost_source"] = "measured" if self.costs_measured else "prior"
+        data["rate_source"] = "history" if self.hours_at_risk > 0 or self.interruptions else "prior"
+        return data
 
     def describe(self) -> str:
-        bound = {"floor": f", raised to {FLOOR_FACTOR:g} x the checkpoint cost",
-                 "ceiling": f", capped at {CEILING_SECONDS / 60:g} minutes"}.get(self.bound or "", "")
-        return (f"checkpoint every {self.seconds:.0f} s (checkpoint cost {self.cost:.2f} s, one unplanned "
-                f"interruption per {self.mtbi / 3600:.1f} h from {self.interruptions} in {self.hours_at_risk:.1f} h "
-                f"of training and a prior of {PRIOR_INTERRUPTIONS:g} per {PRIOR_HOURS:g} h{bound}); expected work "
-                f"lost per interruption {self.expected_loss:.0f} s")
+        return describe_event(self.as_event())
+
+
+def describe_event(data: dict) -> str:
+    """One line for people from a ``checkpoint_interval`` event's data (``lodger show``); an event
+    this version cannot read (another version wrote it) gives a line saying so, not an error."""
+    try:
+        return _describe(data)
+    except (KeyError, TypeError, ValueError):
+        return f"checkpoint interval recorded in a form this version does not read: {data!r}"
+
+
+def _describe(data: dict) -> str:
+    bound = {"floor": f", raised to {FLOOR_FACTOR:g} x the checkpoint cost",
+             "ceiling": f", capped at {CEILING_SECONDS / 60:g} minutes"}.get(data.get("bound") or "", "")
+    measured = data.get("costs_measured", 0)
+    cost = (f"checkpoint cost {data['cost']:.2f} s, median of the last {min(measured, 5)} measured" if measured
+            else f"checkpoint cost {data['cost']:.2f} s, a prior until one is measured")
+    history = (f"{data['interruptions']} in {data['hours_at_risk']:.1f} h of training on this machine and"
+               if data.get("rate_source") != "prior" else "no history yet, only")
+    return (f"checkpoint every {data['seconds']:.0f} s ({cost}; one unplanned interruption per "
+            f"{data['mtbi'] / 3600:.1f} h from {history} a prior of {PRIOR_INTERRUPTIONS:g} per {PRIOR_HOURS:g} h"
+            f"{bound}); expected work lost per interruption {data['expected_loss']:.0f} s")
 
 
 def choose_interval(cost_seconds: Iterable[float], history: History) -> IntervalChoice:
     """The "auto" interval from the run's measured checkpoint times and the ledger's history.
     Re-evaluate after every checkpoint (a new cost) and at each segment start (a new history)."""
-    cost = checkpoint_cost(cost_seconds)
+    costs = [float(s) for s in cost_seconds if s is not None and s >= 0]
+    cost = checkpoint_cost(costs)
     mtbi = mean_time_between_interruptions(history)
     formula = daly_interval(cost, mtbi)
     floor = FLOOR_FACTOR * cost
@@ -175,4 +198,82 @@ def choose_interval(cost_seconds: Iterable[float], history: History) -> Interval
     if seconds < floor:  # a save slower than 6 minutes: the floor wins over the hour
         seconds, bound = floor, "floor"
     return IntervalChoice(seconds, cost, mtbi, history.interruptions, history.seconds_at_risk / 3600, formula,
-                          bound, expected_loss_per_interruption(seconds, cost, mtbi))
+                          bound, expected_loss_per_interruption(seconds, cost, mtbi), len(costs))
+
+
+# -- in a training process -------------------------------------------------------------------
+CHANGE_RECORDED = 0.2  # a new interval more than 20 % away from the recorded one is recorded again
+HISTORY_KINDS = OPENS + CLEAN_ENDS + LOST_ENDS + SIGNS_OF_LIFE
+
+
+def machine_history(ledger, run_id: str | None = None) -> History:
+    """This machine's interruption history from its ledger. A local run other than ``run_id``
+    that the ledger says is running or held but whose run folder nobody holds locked died
+    without a word and was never resumed: its last segment counts as an interruption too."""
+    from .home import run_dir
+    from .runlock import is_locked
+
+    crashed = {r["id"] for r in ledger.runs() if r["status"] in ("running", "held") and not r.get("target")
+               and r["id"] != run_id and not is_locked(run_dir(r["id"]))}
+    return interruption_history(ledger.events_of_kinds(HISTORY_KINDS), crashed)
+
+
+class FixedInterval:
+    """``every_seconds`` as a number from the job file (None or 0: no time-based checkpoints)."""
+
+    def __init__(self, seconds: float | None):
+        self.every = seconds or None
+
+    def seconds(self, last_save: float | None = None) -> float | None:
+        return self.every
+
+
+class AutoInterval:
+    """``every_seconds = "auto"`` in the process that writes the run's ledger (rank 0).
+
+    Chosen at the first ``seconds()`` call, which the loop makes after this segment's
+    ``started``/``resumed`` is recorded (so a previous process of this run that died counts);
+    chosen again whenever ``last_save`` moves and a new checkpoint was committed: its measured
+    cost is read from the ledger's new ``checkpoint`` events of this run, and the history again
+    (this segment's own time at risk grows; another run may have died meanwhile). A
+    ``checkpoint_interval`` event records the first choice of each segment and every later one
+    more than 20 % away from the last recorded."""
+
+    def __init__(self, ledger, run_id: str):
+        self.ledger, self.run_id = ledger, run_id
+        self.choice: IntervalChoice | None = None
+        self.history, self.costs, self.seen, self.last_save = History(), [], 0, None
+        self.recorded: float | None = None
+
+    def seconds(self, last_save: float | None = None) -> float:
+        if self.choice is None or (last_save != self.last_save and self._measure()):
+            if self.choice is None:
+                self._measure()
+            self.history = machine_history(self.ledger, self.run_id)
+            self._choose()
+        self.last_save = last_save
+        return self.choice.seconds
+
+    def _measure(self) -> bool:
+        """Read this run's checkpoint times committed since the last read; True when there are new ones."""
+        new = self.ledger.run_events_after(self.run_id, "checkpoint", self.seen)
+        if new:
+            self.seen = new[-1]["seq"]
+        fresh = [e["data"]["seconds"] for e in new
+                 if not e["data"].get("recovered") and isinstance(e["data"].get("seconds"), (int, float))]
+        self.costs += fresh
+        return bool(fresh)
+
+    def _choose(self) -> None:
+        self.choice = choose_interval(self.costs, self.history)
+        if self.recorded is None or abs(self.choice.seconds - self.recorded) > CHANGE_RECORDED * self.recorded:
+            self.ledger.event(self.run_id, "checkpoint_interval", **self.choice.as_event())
+            self.recorded = self.choice.seconds
+
+
+def interval_for(setting: float | str | None, ledger, run_id: str):
+    """What ``save_due`` asks for its interval: ``AutoInterval`` for "auto" where this process
+    writes the ledger, else the fixed number (a rank other than 0 never decides a save)."""
+    if setting == "auto":
+        return AutoInterval(ledger, run_id) if ledger is not None else FixedInterval(None)
+    return FixedInterval(setting)

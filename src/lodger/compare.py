@@ -96,6 +96,7 @@ class Comparison:
     weights_equal: bool | None = None
     max_weight_diff: float | None = None
     interruptions: dict[str, list] = field(default_factory=dict)
+    untrusted: list[str] = field(default_factory=list)  # rows the hash chain does not confirm
     verdict: str = ""
     equal: bool = False
 
@@ -113,6 +114,7 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5) -> Comparison:
         ea, eb = ledger.events(a), ledger.events(b)
         la = {m["step"]: m["loss"] for m in ledger.metrics(a)}
         lb = {m["step"]: m["loss"] for m in ledger.metrics(b)}
+        c.untrusted = [f"{p.where()}: {p.problem}" for p in ledger.run_problems([a, b])]
         c.evals = {a: [(m["step"], m["eval_loss"]) for m in ledger.metrics(a, "eval")],
                    b: [(m["step"], m["eval_loss"]) for m in ledger.metrics(b, "eval")]}
     ja, jb = flatten(tomllib.loads(ra["job_toml"])), flatten(tomllib.loads(rb["job_toml"]))
@@ -158,6 +160,9 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5) -> Comparison:
 
 def _verdict(c: Comparison, ra: dict, rb: dict, la: dict, lb: dict, tolerance: float,
              why_not: str | None) -> tuple[str, bool]:
+    if c.untrusted:
+        return ("not trustworthy: the ledger's rows disagree with its hash chain (" + "; ".join(c.untrusted)
+                + "); run `lodger audit`"), False
     if c.job_differences:
         return "not comparable: the jobs differ in " + ", ".join(c.job_differences), False
     if c.data_differences:

@@ -181,6 +181,10 @@ class Control:
         self._dirty = True
 
     def install_signal_handlers(self) -> "Control":
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self  # a Ray Train worker runs ranks in a thread: no signals there, requests come by file
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_int)
         signal.signal(signal.SIGUSR1, self._on_usr1)

@@ -1,7 +1,9 @@
 """The dataset registry: what each data file is, whose it is, and what it may be used for.
 
-A registered dataset is a file identified by its sha256, with its license, its owner and three
-permissions: may it train models, may it leave this machine, and to which named remote targets.
+A registered dataset is a file identified by its sha256, with its license, its owner and four
+permissions: may it train models, may it leave this machine, to which named remote targets, and
+may it take part in federated training (``may_federate``: the data stays here, but the adapter
+updates trained on it, their token counts and metrics leave for the federation's server).
 The registry lives in the ledger (table ``datasets``); every change is a ledger event and the row is
 written from that event (ledger/records.py), so the chain tells who allowed what, when. Reading
 checks the rows against the chain: a row edited outside lodger is refused, naming the dataset.
@@ -52,6 +54,7 @@ class Dataset:
     may_train: bool
     may_leave: bool
     targets: list[str] = field(default_factory=list)
+    may_federate: bool = False   # the data stays; updates derived from it may leave (federated rounds)
     added: float = 0.0
     updated: float = 0.0
 
@@ -59,7 +62,8 @@ class Dataset:
         return asdict(self)
 
     def permissions(self) -> dict:
-        return {"may_train": self.may_train, "may_leave": self.may_leave, "targets": list(self.targets)}
+        return {"may_train": self.may_train, "may_leave": self.may_leave, "targets": list(self.targets),
+                "may_federate": self.may_federate}
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,8 @@ def identify(path: Path) -> FileIdentity:
 
 def _row(row) -> Dataset:
     data = dict(row)
-    data["may_train"], data["may_leave"] = bool(data["may_train"]), bool(data["may_leave"])
+    for flag in ("may_train", "may_leave", "may_federate"):
+        data[flag] = bool(data.get(flag))
     data["targets"] = json.loads(data["targets"])
     return Dataset(**data)
 
@@ -143,7 +148,8 @@ def get(name: str, ledger=None) -> Dataset:
 
 
 def add(path: Path, *, name: str, license: str, owner: str, may_train: bool = True, may_leave: bool = False,
-        targets: tuple[str, ...] | list[str] = (), update: bool = False) -> tuple[Dataset, str]:
+        targets: tuple[str, ...] | list[str] = (), update: bool = False,
+        may_federate: bool = False) -> tuple[Dataset, str]:
     """Register ``path`` as dataset ``name``; return (the dataset, "added" / "updated" / "unchanged").
 
     An existing name with different content, path, license or owner needs ``update=True``; the
@@ -171,7 +177,7 @@ def add(path: Path, *, name: str, license: str, owner: str, may_train: bool = Tr
         if existing is None:
             ledger.event(None, "dataset_added", name=name, path=str(ident.path), sha256=ident.sha256,
                          size=ident.size, lines=ident.lines, license=license, owner=owner, may_train=may_train,
-                         may_leave=may_leave, targets=sorted(set(targets)))
+                         may_leave=may_leave, targets=sorted(set(targets)), may_federate=may_federate)
             return _named(ledger, name), "added"
         old = existing
         changes = {k: (getattr(old, k), v) for k, v in
@@ -195,13 +201,13 @@ def _named(ledger, name: str) -> Dataset:
 
 
 def change_permissions(name: str, *, allow: bool, train: bool = False, leave: bool = False,
-                       targets: tuple[str, ...] | list[str] = ()) -> tuple[Dataset, bool]:
+                       targets: tuple[str, ...] | list[str] = (), federate: bool = False) -> tuple[Dataset, bool]:
     """Grant (``allow``) or revoke permissions; return (the dataset, whether anything changed).
 
     A change is one `dataset_granted` / `dataset_revoked` event with what was asked and the result."""
     verb = "grant" if allow else "revoke"
-    if not (train or leave or targets):
-        raise DatasetError(f"nothing to {verb}: give --train, --leave and/or --target NAME")
+    if not (train or leave or targets or federate):
+        raise DatasetError(f"nothing to {verb}: give --train, --leave, --federate and/or --target NAME")
     for target in targets:
         if not NAME_PATTERN.match(target):
             raise DatasetError(f"--target {target!r} is not a target name (letters, digits, `_`, `.`, `-`)")
@@ -211,12 +217,16 @@ def change_permissions(name: str, *, allow: bool, train: bool = False, leave: bo
         old = get(name, ledger)  # raises, naming the registered ones
         may_train = allow if train else old.may_train
         may_leave = allow if leave else old.may_leave
+        may_federate = allow if federate else old.may_federate
         listed = set(old.targets) | set(targets) if allow else set(old.targets) - set(targets)
         new = sorted(listed)
-        if (may_train, may_leave, new) == (old.may_train, old.may_leave, sorted(old.targets)):
+        if (may_train, may_leave, new, may_federate) == (old.may_train, old.may_leave, sorted(old.targets),
+                                                         old.may_federate):
             return old, False
         asked = {"train": train, "leave": leave, "targets": sorted(set(targets))}
-        after = {"may_train": may_train, "may_leave": may_leave, "targets": new}
+        if federate:  # only when asked, so that older events keep their exact shape
+            asked["federate"] = True
+        after = {"may_train": may_train, "may_leave": may_leave, "targets": new, "may_federate": may_federate}
         ledger.event(None, "dataset_granted" if allow else "dataset_revoked", name=name, asked=asked,
                      before=old.permissions(), after=after, sha256=old.sha256)
         return _named(ledger, name), True

@@ -113,7 +113,7 @@ def _children(pid: int) -> list[int]:
 
 
 def init(world_size: int, device: str) -> Ranks:
-    """Join the process group torchrun set up (gloo on CPU, nccl on GPU); check it has the job's size."""
+    """Join the process group torchrun (or Ray Train) set up (gloo on CPU, nccl on GPU); check its size."""
     from datetime import timedelta
 
     import torch
@@ -128,7 +128,8 @@ def init(world_size: int, device: str) -> Ranks:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     # A hold on rank 0 keeps the other ranks waiting inside a collective, for as long as the owner
     # holds: hence the long timeout. A dead rank is noticed at once (its socket closes), not by it.
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(days=30))
+    if not dist.is_initialized():  # Ray Train (remote/raytrain.py) made the group already: join it
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(days=30))
     # A rank that exits with the group still up can abort in gloo's threads at interpreter exit
     # ("terminate called without an active exception", exit -6): leave the group first.
     atexit.register(_leave_group)

@@ -67,6 +67,11 @@ class ExportError(LodgerError):
     exit_code = 2
 
 
+class FederatedError(LodgerError):
+    """A federated run cannot start or go on as asked (Flower process, round, message); the message
+    names what and the fix."""
+
+
 class GateRefused(LodgerError):
     """`lodger submit` refused a job: the message lists every failed check; nothing was submitted."""
 
@@ -76,3 +81,13 @@ class GateRefused(LodgerError):
         self.reasons, self.plan, self.job_hash = list(reasons), plan, job_hash
         listed = "\n".join(f"  - {r}" for r in self.reasons)
         super().__init__(f"submission refused, {len(self.reasons)} failed check(s); nothing was submitted:\n{listed}")
+
+
+class FederationRefused(GateRefused):
+    """`lodger federate` / `lodger submit --federated` (or a client before its first round) refused:
+    every failed check is listed; no SuperNode was started, no app was run, nothing was sent."""
+
+    def __init__(self, reasons: list[str], plan=None, job_hash: str | None = None):
+        super().__init__(reasons, plan=plan, job_hash=job_hash)
+        listed = "\n".join(f"  - {r}" for r in self.reasons)
+        self.args = (f"federation refused, {len(self.reasons)} failed check(s); nothing was sent:\n{listed}",)

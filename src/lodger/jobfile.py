@@ -139,7 +139,7 @@ def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl", re
         "training": {"steps": 60, "batch_size": 8, "grad_accum": 1, "learning_rate": 1e-3,
                      "warmup_steps": 5, "min_lr_ratio": 0.1, "weight_decay": 0.0, "max_grad_norm": 1.0,
                      "seed": 0, "threads": 2, "eval_every": 20, "log_every": 5},
-        "checkpoints": {"every_steps": 20, "keep_last": 3},
+        "checkpoints": {"keep_last": 3},  # every_seconds = "auto" chooses when
         "guard": {},
         "policy": {},
         "limits": {},

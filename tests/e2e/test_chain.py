@@ -83,6 +83,12 @@ def test_a_real_run_audits_clean_and_edited_metrics_and_provenance_are_named(lod
     assert "ledger tables edited" in result.stderr
     blamed = [line for line in result.stderr.splitlines() if line.startswith("table ")]
     assert len(blamed) == 2, describe(result)  # nothing else is blamed
+    # The readers that print or judge a run do not pass the forged rows off as the record.
+    shown = lodger(["show", finished_run], lodger_home)
+    assert f"WARNING   table metrics, run {finished_run}, step 3" in shown.stderr, describe(shown)
+    judged = lodger(["compare", finished_run, finished_run], lodger_home, ok=False)
+    assert "not trustworthy: the ledger's rows disagree with its hash chain" in judged.stdout + judged.stderr, \
+        describe(judged)
 
 
 def test_a_run_row_status_edited_in_the_table_is_named(lodger_home: Path, finished_run: str) -> None:

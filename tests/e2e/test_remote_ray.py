@@ -56,13 +56,17 @@ def ray_head():
     temp = Path(tempfile.mkdtemp(prefix="lr-", dir="/tmp"))
     storage = temp / "storage"
     storage.mkdir()
-    port, dashboard = _free_port(), _free_port()
+    # Every port a head listens on is a free one: another Ray head on this machine (another test
+    # module, another user) holds the defaults, and a head whose agent could not bind refuses jobs
+    # ("No available agent to submit job").
+    port, dashboard, agent, client = _free_port(), _free_port(), _free_port(), _free_port()
     saved = {k: os.environ.get(k) for k in RAY_ENV}
     os.environ.update(RAY_ENV)
     ray = str(Path(sys.executable).with_name("ray"))
     started = subprocess.run(
         [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "true",
+         "--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(client),
          "--num-cpus", "2", "--temp-dir", str(temp / "ray"), "--disable-usage-stats"],
         env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=180)
     try:
@@ -218,8 +222,19 @@ def test_remote_worker_killed_mid_run_resumes_bitwise_equal(ray_head, standard_j
     assert pid, "the remote run's lock names no pid"
     os.kill(pid, signal.SIGKILL)
 
-    crashed = _wait_synced(run_id, env, ("crashed",))
-    assert crashed["ray_status"] == "FAILED", crashed
+    # No `lodger sync`: `lodger status` asks Ray itself and records the job that died without a word.
+    def crashed_in_status():
+        result = run_lodger(["status", "--json"], env)
+        assert result.returncode == 0 and "unreachable" not in result.stderr, describe(result)
+        row = next(r for r in json.loads(result.stdout)["runs"] if r["id"] == run_id)
+        return row if row["status"] == "crashed" else None
+
+    row = wait_until(crashed_in_status, 240, what=f"`lodger status` to show run {run_id} crashed", interval=0.2)
+    assert row["cluster_unreachable"] is None
+    ended = [e for e in show(run_id, env)["events"] if e["kind"] == "remote_job_ended"]
+    assert len(ended) == 1 and ended[0]["data"]["ray_status"] == "FAILED", ended
+    crashed = _sync(run_id, env)
+    assert crashed["status"] == "crashed" and crashed["ray_status"] == "FAILED", crashed
     assert crashed["step"] < TOTAL_STEPS
 
     resumed = run_lodger(["resume", run_id], env)
@@ -288,6 +303,53 @@ def test_two_ranks_under_ray_end_bitwise_equal_to_two_ranks_here(ray_head, ddp_j
     env = lodger_env(lodger_home, **RAY_ENV)
     run_id = _submit_through_gate(ddp_job, ray_head, env, tmp_path)
     info = _wait_synced(run_id, env, ("finished",))
+    local = run_dir_of(run_id, env)
+    assert info["checkpoints"][-1] == f"step-{TOTAL_STEPS:08d}", info
+    assert train_records(local) == ddp_baseline["records"]
+    assert final_adapter_bytes(local) == ddp_baseline["adapter"]
+    manifest = json.loads((local / "checkpoints" / info["checkpoints"][-1] / "MANIFEST.json").read_text())
+    assert manifest["world_size"] == 2 and "rng-rank-1.json" in manifest["files"]
+
+
+def test_two_ray_train_workers_killed_and_resumed_end_bitwise_equal_to_two_ranks_here(
+        ray_head, ddp_job, ddp_baseline, lodger_home, tmp_path):
+    # [remote] nodes = 2: no torchrun; the driver asks Ray Train for one worker per rank (two CPUs
+    # on this one head), Ray Train makes the gloo group, and lodger's ranks join it. Rank 0 is
+    # SIGKILLed mid-run: `lodger status` shows the run crashed, and `resume` (a new submission, at
+    # the same world size) ends bitwise equal to two torchrun ranks here.
+    from lodger.runlock import lock_pid
+
+    env = lodger_env(lodger_home, **RAY_ENV)
+    job = tmp_path / "two-nodes.toml"
+    job.write_text(ddp_job.read_text() + "\n[remote]\nnodes = 2\n")
+    run_id = _submit(job, ray_head)
+    remote = _remote_dir(ray_head, run_id)
+
+    def ray_log() -> str:  # what Ray's driver said is the only account of a Ray Train start
+        return describe(run_lodger(["logs", run_id, "--ray"], env))
+
+    try:
+        wait_until(lambda: (remote / "metrics.jsonl").exists(), 300, what="the remote run to start", interval=0.05)
+        wait_for_step(remote, 10, timeout=300)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{ray_log()}") from None
+    assert (ray_head["storage"] / run_id / "home" / "raytrain").is_dir()  # Ray Train's run folder: it ran there
+    os.kill(lock_pid(remote), signal.SIGKILL)  # rank 0's Ray Train worker
+
+    def crashed_in_status():
+        result = run_lodger(["status", "--json"], env)
+        assert result.returncode == 0, describe(result)
+        row = next(r for r in json.loads(result.stdout)["runs"] if r["id"] == run_id)
+        return row["status"] == "crashed"
+
+    wait_until(crashed_in_status, 240, what=f"`lodger status` to show run {run_id} crashed", interval=0.2)
+    resumed = run_lodger(["resume", run_id], env)
+    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
+    try:
+        info = _wait_synced(run_id, env, ("finished",), ray_ended=True)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{ray_log()}") from None
+    assert info["ray_status"] == "SUCCEEDED" and info["submission_id"].endswith("-s1"), info
     local = run_dir_of(run_id, env)
     assert info["checkpoints"][-1] == f"step-{TOTAL_STEPS:08d}", info
     assert train_records(local) == ddp_baseline["records"]

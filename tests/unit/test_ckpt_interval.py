@@ -8,10 +8,13 @@ import random
 
 import pytest
 
-from lodger.ckpt_interval import (CEILING_SECONDS, FLOOR_FACTOR, PRIOR_COST_SECONDS, PRIOR_HOURS, History,
-                                  checkpoint_cost, choose_interval, daly_interval, expected_loss_per_interruption,
-                                  interruption_history, mean_time_between_interruptions, young_interval)
+from lodger.ckpt_interval import (CEILING_SECONDS, FLOOR_FACTOR, PRIOR_COST_SECONDS, PRIOR_HOURS, AutoInterval,
+                                  FixedInterval, History, checkpoint_cost, choose_interval, daly_interval,
+                                  describe_event, expected_loss_per_interruption, interruption_history, interval_for,
+                                  machine_history, mean_time_between_interruptions, young_interval)
+from lodger.home import run_dir
 from lodger.ledger import Ledger
+from lodger.runlock import RunLock
 
 
 def ev(run: str | None, kind: str, at: float, **data) -> dict:
@@ -128,3 +131,80 @@ def test_auto_with_a_ledger_holding_a_known_history_picks_the_formulas_interval(
     assert choice.seconds == pytest.approx(expected) and choice.bound is None
     assert choice.expected_loss == pytest.approx(expected_loss_per_interruption(expected, cost, mtbi))
     assert "checkpoint every" in choice.describe() and choice.as_event()["interruptions"] == 4
+
+
+def _run(ledger: Ledger, run: str, status: str | None = None) -> None:
+    ledger.create_run(run, name=run, model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
+                      total_steps=10, pid=None)
+    if status:
+        ledger.set_status(run, status, "started", step=0, segment=0)
+
+
+def test_machine_history_counts_a_dead_run_nobody_resumed_but_not_a_live_one_nor_itself(lodger_home) -> None:
+    with Ledger() as ledger:
+        for run in ("dead", "alive", "me"):
+            _run(ledger, run, "running")  # each left its segment open
+        run_dir("alive").mkdir(parents=True)
+        lock = RunLock(run_dir("alive"))  # a live process trains "alive"
+        try:
+            assert machine_history(ledger, "me").interruptions == 1  # "dead" only
+            assert machine_history(ledger).interruptions == 2        # seen from outside, "me" is dead too
+        finally:
+            lock.release()
+        assert machine_history(ledger, "me").interruptions == 2
+
+
+def test_auto_in_a_run_reads_the_real_ledger_chooses_records_and_rechooses_on_new_costs(lodger_home) -> None:
+    """The live object a run's save_due asks: the formula's interval from the ledger's history and
+    the run's checkpoint events, recorded as `checkpoint_interval` when it moves more than 20 %."""
+    with Ledger() as ledger:
+        _run(ledger, "old", "running")
+        ledger.set_status("old", "running", "resumed", step=0, segment=1)      # its first process died
+        ledger.set_status("old", "failed", error="RuntimeError: out of memory", step=0)  # then an OOM
+        _run(ledger, "me", "running")
+        history = interruption_history(ledger.events())
+        assert history.interruptions == 2
+        mtbi = (PRIOR_HOURS * 3600 + history.seconds_at_risk) / 3
+
+        auto = interval_for("auto", ledger, "me")
+        assert isinstance(auto, AutoInterval) and auto.seconds(100.0) == pytest.approx(daly_interval(1.0, mtbi))
+        assert auto.seconds(100.0) == auto.choice.seconds  # asked again with nothing new: no new event
+        first = [e["data"] for e in ledger.events("me") if e["kind"] == "checkpoint_interval"]
+        assert len(first) == 1 and first[0]["cost_source"] == "prior" and first[0]["rate_source"] == "history"
+        assert first[0]["interruptions"] == 2 and first[0]["costs_measured"] == 0
+
+        ledger.event("me", "checkpoint", step=2, path="step-00000002", seconds=0.05)
+        moved = auto.seconds(200.0)  # last_save moved: a checkpoint was committed
+        assert moved == pytest.approx(daly_interval(0.05, mtbi))
+        ledger.event("me", "checkpoint", step=4, path="step-00000004", seconds=0.052)
+        ledger.event("me", "checkpoint", step=4, path="step-00000004", seconds=9.0, recovered=True)  # not measured here
+        assert auto.seconds(300.0) == pytest.approx(daly_interval(0.051, mtbi))  # median of 0.05, 0.052
+        events = [e["data"] for e in ledger.events("me") if e["kind"] == "checkpoint_interval"]
+        assert len(events) == 2  # 0.051 s moved the interval by 1 %: not recorded again
+        for run in ("oom-1", "oom-2"):  # meanwhile two other runs fail: the next checkpoint reads them
+            _run(ledger, run, "running")
+            ledger.set_status(run, "failed", error="RuntimeError: out of memory", step=0)
+        assert auto.seconds(300.0) == pytest.approx(daly_interval(0.051, mtbi))  # no new checkpoint: as it was
+        ledger.event("me", "checkpoint", step=6, path="step-00000006", seconds=0.051)
+        later = interruption_history(ledger.events())
+        assert later.interruptions == 4
+        mtbi_later = (PRIOR_HOURS * 3600 + later.seconds_at_risk) / 5
+        assert auto.seconds(400.0) == pytest.approx(daly_interval(0.051, mtbi_later))  # sqrt(3/5): 23 % shorter
+        events = [e["data"] for e in ledger.events("me") if e["kind"] == "checkpoint_interval"]
+    assert len(events) == 3 and events[-1]["interruptions"] == 4 and events[-1]["costs_measured"] == 3
+    last = events[1]
+    assert (last["costs_measured"], last["cost"], last["cost_source"]) == (1, 0.05, "measured")
+    assert last["seconds"] == pytest.approx(daly_interval(0.05, mtbi), abs=1e-3)
+    assert last["expected_loss"] == pytest.approx(
+        expected_loss_per_interruption(daly_interval(0.05, mtbi), 0.05, mtbi), abs=1e-3)
+    line = describe_event(last)
+    assert line.startswith(f"checkpoint every {last['seconds']:.0f} s (checkpoint cost 0.05 s, median of the last 1")
+    assert f"from 2 in {history.seconds_at_risk / 3600:.1f} h of training" in line
+    assert line.endswith(f"expected work lost per interruption {last['expected_loss']:.0f} s")
+
+def test_a_fixed_interval_and_a_rank_without_the_ledger_never_touch_it() -> None:
+    assert interval_for(600.0, None, "r").seconds(1.0) == 600.0
+    assert interval_for(0.0, None, "r").seconds(1.0) is None  # 0: no time-based checkpoints
+    assert isinstance(interval_for("auto", None, "r"), FixedInterval)  # ranks > 0: rank 0 decides
+    assert describe_event(choose_interval([], History()).as_event()).count("no history yet, only a prior") == 1
+    assert describe_event({"seconds": "soon"}).startswith("checkpoint interval recorded in a form this version")

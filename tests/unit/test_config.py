@@ -267,7 +267,7 @@ def test_the_commented_out_example_values_are_valid_too(job_dir: Path) -> None:
                             for line in text.splitlines())
     assert uncommented != text
     job = parse_job(tomllib.loads(uncommented), "example", job_dir)
-    assert job.checkpoints.every_seconds == 600.0
+    assert job.checkpoints.every_seconds == "auto"  # the default: chosen by lodger, not guessed
     assert job.data.eval_fraction == 0.1
 
 
@@ -318,3 +318,19 @@ def test_a_null_like_value_for_clipping_is_refused_with_the_fix(job_dir: Path) -
     with pytest.raises(JobFileError) as info:
         load_job(write_job(job_dir, text))
     assert "max_grad_norm = 'none'" in str(info.value) and "fix:" in str(info.value)
+
+
+def test_every_seconds_is_auto_by_default_a_number_or_zero_and_nothing_else(job_dir: Path) -> None:
+    base = '[data]\ntrain = "data/train.jsonl"\n[training]\nsteps = 3\n'
+    assert load_job(write_job(job_dir, base)).checkpoints.every_seconds == "auto"
+    for given, read in (('"auto"', "auto"), ("600", 600.0), ("12.5", 12.5), ("0", 0.0)):
+        job = load_job(write_job(job_dir, base + f"[checkpoints]\nevery_seconds = {given}\n"))
+        assert job.checkpoints.every_seconds == read
+        again = parse_job(tomllib.loads(to_toml(job.resolved_dict())), "resolved", Path("/"))
+        assert again.checkpoints.every_seconds == read
+    for bad in ('"Auto"', "-5", "true", '"10m"', "nan"):
+        with pytest.raises(JobFileError) as info:
+            load_job(write_job(job_dir, base + f"[checkpoints]\nevery_seconds = {bad}\n"))
+        found = problems(info.value)
+        assert len(found) == 1 and found[0].startswith(f"[checkpoints] every_seconds = "), found
+        assert '"auto"' in found[0] and "a number of seconds" in found[0] and "0 for no time-based" in found[0]

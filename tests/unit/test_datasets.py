@@ -181,3 +181,23 @@ def test_loading_a_job_without_a_ledger_does_not_create_one(tmp_path: Path, lodg
     _write(tmp_path / "loose.jsonl", _rows(4))
     load_job(_job(tmp_path, "loose.jsonl"))
     assert not (lodger_home / "ledger.db").exists()
+
+
+def test_the_federated_permission_is_its_own_chained_flag_and_a_flipped_row_is_named(tmp_path: Path) -> None:
+    import sqlite3
+
+    from lodger.home import ledger_path
+
+    dataset, _ = datasets.add(_write(tmp_path / "f.jsonl", _rows(3)), name="f", license="MIT", owner="alice")
+    assert (dataset.may_federate, dataset.may_leave) == (False, False)  # neither by default
+    dataset, changed = datasets.grant("f", federate=True)
+    assert changed and dataset.may_federate and not dataset.may_leave  # distinct from may_leave
+    assert _events("dataset_granted")[-1]["data"]["after"]["may_federate"] is True
+    dataset, changed = datasets.revoke("f", federate=True)
+    assert changed and not dataset.may_federate
+    with Ledger() as ledger:
+        assert ledger.audit()[1] == [] and ledger.audit_records() == []
+    with sqlite3.connect(ledger_path()) as db:  # edited outside lodger: the chain says otherwise
+        db.execute("UPDATE datasets SET may_federate=1 WHERE name='f'")
+    with pytest.raises(DatasetError, match="column may_federate is 1 but the chain says 0"):
+        datasets.get("f")

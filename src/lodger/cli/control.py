@@ -116,15 +116,15 @@ def status(as_json: bool) -> None:
     from ..home import run_dir
     from ..ledger import Ledger
     from ..runview import loss_text, progress, step_text
-    from .runs import live_status
+    from .runs import live_status, refresh_remote
 
     with Ledger() as ledger:
         runs = [r for r in ledger.runs() if r["status"] not in ("finished", "failed", "cancelled")]
-        if any(r.get("target") for r in runs):
-            from ..remote.sync import sync
-
-            runs = [_synced(ledger, r, sync) if r.get("target") else r for r in runs]  # storage only, no ray
+        runs, stale = refresh_remote(ledger, runs)  # remote runs: storage, and Ray for 2 s at most
         queue = ledger.queue()
+        from ..federated.owner import participation  # no torch, no flwr: the ledger's federated events
+
+        federated = participation(ledger)
     rows = []
     for run in runs:
         state = live_status(run)
@@ -137,31 +137,33 @@ def status(as_json: bool) -> None:
         now = progress(run, folder)
         rows.append({"id": run["id"], "status": state, "step": now["step"], "checkpoint_step": now["checkpoint_step"],
                      "total_steps": run["total_steps"], "loss": now["loss"], "managed": bool(run.get("managed")),
-                     "requests": requests, "target": run.get("target")})
-    info = {"agent_pid": agent_pid(), "runs": rows, "queue": queue}
+                     "requests": requests, "target": run.get("target"),
+                     "cluster_unreachable": stale.get(run["id"])})
+    info = {"agent_pid": agent_pid(), "runs": rows, "queue": queue, "federated": federated}
     if as_json:
         click.echo(json.dumps(info, indent=1, default=str))
         return
     click.echo(f"agent: {'running (pid %d)' % info['agent_pid'] if info['agent_pid'] else 'not running'}")
-    if not rows and not queue:
+    if not rows and not queue and not federated:
         click.echo("nothing running, paused or queued")
     for r in rows:
         extra = ", ".join(f"{k}:{v}" for k, v in r["requests"].items())
         click.echo(f"{r['status']:<12} {r['id']}  step {step_text(r)}  loss {loss_text(r['loss'])}"
-                   + (f"  on {r['target']}" if r["target"] else "") + (f"  [{extra}]" if extra else ""))
+                   + (f"  on {r['target']}" if r["target"] else "") + (f"  [{extra}]" if extra else "")
+                   + ("  (as last synced: cluster unreachable)" if r["cluster_unreachable"] else ""))
     for q in queue:
         click.echo(f"{'queued':<12} #{q['id']} {q['name']}  priority {q['priority']}")
+    for f in federated:
+        _federated_line(f)
 
 
-def _synced(ledger, run: dict, sync) -> dict:
-    """The run after a sync; as last recorded, with a warning, when its storage is refused."""
-    from ..remote import RemoteError
-
-    try:
-        return sync(ledger, run)
-    except RemoteError as exc:
-        click.echo(f"warning: {run['id']}: {exc}", err=True)
-        return run
+def _federated_line(f: dict) -> None:
+    """One federated job this machine takes part in: rounds taken, the last, declined ones and why."""
+    last = f"last round {f['last_round']}" if f["last_round"] is not None else "no round yet"
+    declined = f["last_declined"]
+    why = f" (last: round {declined['round']}: {declined['reason']})" if declined else ""
+    click.echo(f"{'federated':<12} {f['participation']}{'  HELD by the owner' if f['held'] else ''}  server "
+               f"{f['server'] or '-'}  {f['rounds']} round(s) taken, {last}; {f['declined']} declined{why}")
 
 
 @click.command(name="_worker", hidden=True)

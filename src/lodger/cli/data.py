@@ -14,7 +14,9 @@ import click
 
 def _permissions(d) -> str:
     leave = f"may leave to: {', '.join(d.targets) or 'no target'}" if d.may_leave else "may not leave this machine"
-    return f"{'may train' if d.may_train else 'may NOT train'}; {leave}"
+    federate = ("may federate (the data stays; updates trained on it leave)" if d.may_federate
+                else "may not federate")
+    return f"{'may train' if d.may_train else 'may NOT train'}; {leave}; {federate}"
 
 
 @click.group()
@@ -34,13 +36,17 @@ def data() -> None:
 @click.option("--no-train", is_flag=True, help="It may not train models (default: it may).")
 @click.option("--leave", is_flag=True, help="It may leave this machine (default: it may not).")
 @click.option("--target", "targets", multiple=True, help="A remote target it may go to (repeatable).")
+@click.option("--federate", is_flag=True, help="It may take part in federated training: the data stays here, "
+                                               "adapter updates trained on it leave (default: it may not).")
 @click.option("--update", is_flag=True, help="Record new content, path, license or owner for an existing name.")
 def data_add(file: Path, name: str, license_: str, owner: str, no_train: bool, leave: bool,
-             targets: tuple[str, ...], update: bool) -> None:
+             targets: tuple[str, ...], update: bool, federate: bool) -> None:
     """Register FILE as a dataset: its sha256, size and line count, license, owner and permissions.
 
-    New datasets may train and may not leave this machine unless told otherwise (--no-train,
-    --leave, --target). A job whose data changed after registration is refused until the new
+    New datasets may train, may not leave this machine and may not federate unless told otherwise
+    (--no-train, --leave, --target, --federate). --federate is distinct from --leave: the file
+    never leaves, but adapter updates trained on it (and their token counts and metrics) go to a
+    federation's server each round. A job whose data changed after registration is refused until the new
     content is recorded with --update.
 
     \b
@@ -50,7 +56,7 @@ def data_add(file: Path, name: str, license_: str, owner: str, no_train: bool, l
     from .. import datasets
 
     dataset, what = datasets.add(file, name=name, license=license_, owner=owner, may_train=not no_train,
-                                 may_leave=leave, targets=targets, update=update)
+                                 may_leave=leave, targets=targets, update=update, may_federate=federate)
     if what == "unchanged":
         click.echo(f"dataset {name} is already registered with this content (sha256 {dataset.sha256}); "
                    "permissions are changed with `lodger data grant` / `revoke`")
@@ -76,11 +82,13 @@ def data_ls(as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(box=None)
-    for column in ("dataset", "lines", "bytes", "license", "owner", "train", "leave", "targets", "sha256"):
+    for column in ("dataset", "lines", "bytes", "license", "owner", "train", "leave", "federate", "targets",
+                   "sha256"):
         table.add_column(column)
     for d in found:
         table.add_row(d.name, str(d.lines), str(d.size), d.license, d.owner, "yes" if d.may_train else "no",
-                      "yes" if d.may_leave else "no", ", ".join(d.targets) or "-", d.sha256[:12])
+                      "yes" if d.may_leave else "no", "yes" if d.may_federate else "no", ", ".join(d.targets) or "-",
+                      d.sha256[:12])
     Console().print(table, markup=False)
 
 
@@ -114,34 +122,39 @@ def data_show(name: str, as_json: bool) -> None:
 def _permission_options(command):
     command = click.option("--target", "targets", multiple=True, help="A remote target (repeatable).")(command)
     command = click.option("--leave", is_flag=True, help="Leaving this machine.")(command)
+    command = click.option("--federate", is_flag=True, help="Federated training (the data stays; updates "
+                                                            "trained on it leave).")(command)
     return click.option("--train", is_flag=True, help="Training models.")(command)
 
 
 @data.command(name="grant")
 @click.argument("name")
 @_permission_options
-def data_grant(name: str, train: bool, leave: bool, targets: tuple[str, ...]) -> None:
-    """Allow dataset NAME to train (--train), leave this machine (--leave), go to a target (--target T).
+def data_grant(name: str, train: bool, leave: bool, federate: bool, targets: tuple[str, ...]) -> None:
+    """Allow dataset NAME to train (--train), leave this machine (--leave), go to a target (--target T),
+    or take part in federated training (--federate: the data stays, adapter updates leave).
 
+    \b
     Example: lodger data grant corpus --leave --target lab-ray
+             lodger data grant clinic-notes --federate
     """
     from ..datasets import grant
 
-    dataset, changed = grant(name, train=train, leave=leave, targets=targets)
+    dataset, changed = grant(name, train=train, leave=leave, targets=targets, federate=federate)
     click.echo(f"{'granted' if changed else 'no change'}: {name} {_permissions(dataset)}")
 
 
 @data.command(name="revoke")
 @click.argument("name")
 @_permission_options
-def data_revoke(name: str, train: bool, leave: bool, targets: tuple[str, ...]) -> None:
+def data_revoke(name: str, train: bool, leave: bool, federate: bool, targets: tuple[str, ...]) -> None:
     """Withdraw what dataset NAME may do (same flags as grant).
 
     Example: lodger data revoke corpus --target lab-ray
     """
     from ..datasets import revoke
 
-    dataset, changed = revoke(name, train=train, leave=leave, targets=targets)
+    dataset, changed = revoke(name, train=train, leave=leave, targets=targets, federate=federate)
     click.echo(f"{'revoked' if changed else 'no change'}: {name} {_permissions(dataset)}")
 
 

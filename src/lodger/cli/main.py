@@ -48,6 +48,7 @@ def cli() -> None:
     lodger ls / show RUN / logs RUN
     lodger data add FILE ...       register a dataset and what it may do
     lodger submit JOB --target T   the gate to remote compute
+    lodger federate JOB --server S join a federated job (the data stays here)
     """
     # Everything lodger creates is the owner's alone (tokenised data, ledger, checkpoints, logs);
     # processes started from here (workers, ranks, the agent's children) inherit the umask.
@@ -62,9 +63,11 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import agent, compare, control, data, demo, estimate, export, remote, remote_runs, runs, serve, train
+    from . import (agent, compare, control, data, demo, estimate, export, federate, remote, remote_runs, runs, serve,
+                   train)
 
-    for module in (train, estimate, control, agent, runs, compare, export, serve, demo, data, remote, remote_runs):
+    for module in (train, estimate, control, agent, runs, compare, export, serve, demo, data, remote, remote_runs,
+                   federate):
         for command in module.COMMANDS:
             cli.add_command(command)
 

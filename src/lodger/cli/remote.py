@@ -68,10 +68,14 @@ def _print_plan(plan) -> None:
 
 @click.command()
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--target", "target_name", required=True, help="A target from `lodger target ls`.")
+@click.option("--target", "target_name", help="A target from `lodger target ls`.")
 @click.option("--approve", is_flag=True, help="Submit without asking (the plan is still printed and recorded).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON instead of tables.")
-def submit(job: Path, target_name: str, approve: bool, as_json: bool) -> None:
+@click.option("--federated", is_flag=True, help="Run the [federated] job as a Flower app on the SuperLink at --server.")
+@click.option("--server", help="With --federated: the SuperLink's address, HOST:PORT.")
+@click.option("--insecure", is_flag=True, help="With --federated: plain-text transport (127.0.0.1 only).")
+def submit(job: Path, target_name: str | None, approve: bool, as_json: bool, federated: bool, server: str | None,
+           insecure: bool) -> None:
     """Check JOB against a remote target and, once approved, submit it there.
 
     Nothing leaves before every check passes: each data file is a registered dataset that may
@@ -82,11 +86,23 @@ def submit(job: Path, target_name: str, approve: bool, as_json: bool) -> None:
     check and exits 4. Without an approval nothing is submitted and it exits 5 (not an error:
     the answer was no). Approvals, refusals and unapproved plans are ledger events.
 
+    With --federated the job runs as a Flower app on the SuperLink at --server instead: what each
+    client sends each round, how often and the declared limits are printed (docs/federated.md).
+
     \b
     Exit codes: 0 submitted, 4 refused by a check, 5 not approved, 1 the cluster failed.
     Example: lodger submit my-job.toml --target lab-ray
              lodger submit my-job.toml --target lab-ray --approve
+             lodger submit fed-job.toml --federated --server 127.0.0.1:9093 --insecure
     """
+    if federated or server:
+        if not (federated and server) or target_name:
+            raise click.UsageError("a federated job needs --federated and --server HOST:PORT (and no --target)")
+        from .federate import submit_federated
+
+        return submit_federated(job, server, approve, as_json, insecure)
+    if not target_name:
+        raise click.UsageError("--target T is needed (a target from `lodger target ls`), or --federated --server S")
     from .. import gate
     from ..errors import GateRefused
 

@@ -21,14 +21,16 @@ def sync(run_id: str, as_json: bool) -> None:
     """Bring a remote RUN's checkpoints, metrics, log and events home, and ask Ray how its job is.
 
     Only committed checkpoints that verify against their manifest are copied. `show`, `status`
-    and `logs` do the file part by themselves; `sync` also notices a job that Ray says ended
-    without the run saying so (killed, lost node) and records it as crashed.
+    and `ls` do the same for every remote run not ended (asking Ray for 2 s at most); `sync`
+    waits longer for Ray. A job that Ray says ended without the run saying so (killed, lost
+    node) is recorded as crashed.
 
     Example: lodger sync my-job-20261129-101500-ab12
     """
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..remote import TERMINAL, RemoteError, is_remote, job_status
+    from ..remote import RemoteError, is_remote, job_status
+    from ..remote.live import settle
     from ..remote.sync import sync as sync_run
 
     with Ledger() as ledger:
@@ -39,11 +41,7 @@ def sync(run_id: str, as_json: bool) -> None:
             ray_status, message = job_status(run)  # asked first: an ended job has written all it will
         except RemoteError as exc:
             ray_status, message = None, str(exc)
-        run = sync_run(ledger, run)
-        if ray_status in TERMINAL and run["status"] in ("submitted", "created", "running", "held"):
-            ledger.set_status(run["id"], "crashed", "remote_job_ended", ray_status=ray_status, message=message,
-                              step=run["step"], submission_id=run["remote_job_id"])
-            run = ledger.run(run["id"])
+        run = settle(ledger, sync_run(ledger, run), ray_status, message)
     folder = run_dir(run["id"])
     checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
     info = {"id": run["id"], "status": run["status"], "step": run["step"], "total_steps": run["total_steps"],
@@ -85,11 +83,16 @@ def cancel(run_id: str) -> None:
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 def remote_worker(run_id: str, job: Path) -> None:
     """Train RUN inside a Ray job (LODGER_HOME is the run's home in storage): start or resume it."""
+    from ..jobfile import load_job
+    from ..remote import raytrain
     from ..remote.worker import start
     from .crash import log_to_run
 
     log_to_run(run_id)  # the run's log.txt is synced back; Ray's job log is not read by the owner
-    start(run_id, job)
+    if raytrain.wanted(load_job(job)):  # more than one node: one Ray Train worker per rank
+        raytrain.start(run_id, job)
+    else:
+        start(run_id, job)
 
 
 COMMANDS = [sync, cancel, remote_worker]

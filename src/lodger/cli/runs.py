@@ -29,7 +29,7 @@ def live_status(run: dict) -> str:
     from ..runlock import is_locked
 
     if run.get("target"):
-        return run["status"]  # a remote run: as of the last sync (`lodger sync RUN` asks Ray too)
+        return run["status"]  # a remote run: as refresh_remote left it (its cluster was asked)
     folder = run_dir(run["id"])
     if run["status"] in ("running", "held") and not is_locked(folder):
         return "crashed"
@@ -42,6 +42,24 @@ def live_status(run: dict) -> str:
         if run_state(folder).get("pid") != lock_pid(folder):
             return "starting"
     return run["status"]
+
+
+def refresh_remote(ledger, runs: list[dict], only_active: bool = False) -> tuple[list[dict], dict[str, str]]:
+    """Remote runs synced from storage and, where not ended, checked with their cluster (2 s at most
+    for all; a job that died without a word becomes crashed). Returns the runs and, for those whose
+    cluster did not answer, its address. A purely local ledger imports nothing and asks nothing."""
+    if not any(r.get("target") for r in runs):
+        return runs, {}
+    from ..remote.live import ACTIVE, refresh
+
+    wanted = [r for r in runs if r.get("target") and (r["status"] in ACTIVE or not only_active)]
+    if not wanted:
+        return runs, {}
+    live = refresh(ledger, wanted)
+    for warning in live.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    fresh = {r["id"]: r for r in live.runs}
+    return [fresh.get(r["id"], r) for r in runs], live.stale
 
 
 def output_width() -> int | None:
@@ -69,9 +87,9 @@ def ls(as_json: bool) -> None:
     from ..runview import loss_text, progress, step_text, table
 
     with Ledger() as ledger:
-        runs = ledger.runs()
+        runs, stale = refresh_remote(ledger, ledger.runs(), only_active=True)
     for run in runs:
-        run["status"] = live_status(run)
+        run["status"] = live_status(run) + ("?" if run["id"] in stale else "")  # "?": cluster unreachable
         run["progress"] = progress(run, run_dir(run["id"]))
     if as_json:
         keys = ("id", "status", "model", "method", "total_steps", "created")
@@ -102,14 +120,12 @@ def show(run_id: str, as_json: bool) -> None:
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
-        if run.get("target"):
-            from ..remote.sync import sync
-
-            run = sync(ledger, run)  # files from storage only: cheap, no ray
+        (run,), stale = refresh_remote(ledger, [run])
         events = ledger.events(run["id"])
         provenance = ledger.provenance(run["id"])
         train = ledger.metrics(run["id"], "train")
         evals = ledger.metrics(run["id"], "eval")
+        untrusted = [f"{p.where()}: {p.problem}" for p in ledger.run_problems([run["id"]])]
     run["status"] = live_status(run)
     folder = run_dir(run["id"])
     checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
@@ -117,13 +133,17 @@ def show(run_id: str, as_json: bool) -> None:
 
     now = progress(run, folder)
     info = {"run": run, "progress": now, "folder": str(folder), "checkpoints": checkpoints,
+            "cluster_unreachable": stale.get(run["id"]),
             "last_train": train[-1] if train else None, "last_eval": evals[-1] if evals else None,
-            "segments": len(provenance), "events": events}
+            "segments": len(provenance), "events": events, "chain_problems": untrusted}
     if as_json:
         info["provenance"] = provenance
         click.echo(json.dumps(info, indent=1, default=str))
         return
-    click.echo(f"run       {run['id']}  ({run['status']})")
+    for problem in untrusted:  # say it first: what follows comes from rows the chain does not confirm
+        click.echo(f"WARNING   {problem}; run `lodger audit`", err=True)
+    as_of = f", as last synced: cluster at {stale[run['id']]} unreachable" if run["id"] in stale else ""
+    click.echo(f"run       {run['id']}  ({run['status']}{as_of})")
     newest = f"; newest checkpoint at step {now['checkpoint_step']}" if now["checkpoint_step"] != now["step"] else ""
     click.echo(f"progress  step {now['step']}/{run['total_steps']}  loss {loss_text(now['loss'])}{newest}")
     click.echo(f"model     {run['model']}  method {run['method']}")
@@ -154,6 +174,11 @@ def show(run_id: str, as_json: bool) -> None:
         measured = f", measured peak {peak / 2**30:.2f} GiB (ratio {peak / estimate['total_bytes']:.2f})" if peak else ""
         click.echo(f"memory    estimated {estimate['total_bytes'] / 2**30:.2f} GiB on {estimate['device']} "
                    f"(largest: {estimate['largest']}){measured}{' [forced past pre-flight]' if estimate['forced'] else ''}")
+    interval = next((e["data"] for e in reversed(events) if e["kind"] == "checkpoint_interval"), None)
+    if interval:
+        from ..ckpt_interval import describe_event
+
+        click.echo(f"interval  {describe_event(interval)}")
     click.echo("events:")
     for e in events:
         data = ", ".join(f"{k}={_human(v)}" for k, v in e["data"].items()

@@ -89,7 +89,10 @@ MIGRATIONS: list[tuple[str, str]] = [
         CREATE TABLE chain_records (id INTEGER PRIMARY KEY CHECK (id = 1), since_seq INTEGER NOT NULL);
         INSERT INTO chain_records SELECT 1, COALESCE(MAX(seq), 0) FROM events
     """),
-    ("0006_remote_event_log", """
+    ("0006_dataset_may_federate", """
+        ALTER TABLE datasets ADD COLUMN may_federate INTEGER NOT NULL DEFAULT 0;
+    """),
+    ("0007_remote_event_log", """
         ALTER TABLE runs ADD COLUMN remote_log_hash TEXT;
     """),
 ]

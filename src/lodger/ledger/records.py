@@ -30,7 +30,8 @@ from typing import Any
 
 RUN_COLUMNS = ("name", "status", "model", "method", "job_hash", "total_steps", "step", "loss", "managed",
                "target", "remote_job_id", "remote", "remote_log_hash")
-DATASET_COLUMNS = ("path", "sha256", "size", "lines", "license", "owner", "may_train", "may_leave", "targets")
+DATASET_COLUMNS = ("path", "sha256", "size", "lines", "license", "owner", "may_train", "may_leave", "targets",
+                   "may_federate")
 DATASET_KINDS = ("dataset_added", "dataset_updated", "dataset_granted", "dataset_revoked")
 QUEUE_KINDS = ("queued", "queue_starting", "queue_started", "dequeued", "queue_requeued", "unqueued",
                "queue_failed", "queue_refused")
@@ -83,7 +84,9 @@ def dataset_row(kind: str, data: dict, at: float) -> dict | None:
     """The datasets row an event writes (whole row for added/updated, permissions for grant/revoke)."""
     perms = data.get("after", data) if kind in ("dataset_granted", "dataset_revoked") else data
     row = {"name": data["name"], "may_train": int(bool(perms["may_train"])), "may_leave": int(bool(perms["may_leave"])),
-           "targets": json.dumps(sorted(perms.get("targets", []))), "updated": at}
+           "targets": json.dumps(sorted(perms.get("targets", []))), "updated": at,
+           # Events written before the federated permission existed carry no flag: it was never granted.
+           "may_federate": int(bool(perms.get("may_federate", False)))}
     if kind in ("dataset_added", "dataset_updated"):
         row.update({k: data[k] for k in ("path", "sha256", "size", "lines", "license", "owner")})
         if kind == "dataset_added":

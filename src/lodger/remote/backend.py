@@ -33,6 +33,14 @@ class RemoteError(LodgerError):
     exit_code = 4
 
 
+class ClusterUnreachable(RemoteError):
+    """The engine at the target's address did not answer (refused, timed out, not its API)."""
+
+    def __init__(self, address: str, seconds: float, why: str):
+        super().__init__(f"cluster at {address} unreachable ({seconds:g} s): {why}")
+        self.address, self.seconds, self.why = address, seconds, why
+
+
 class Backend:
     """One engine lodger can run an approved job on. Subclasses implement the engine's calls."""
 
@@ -49,8 +57,11 @@ class Backend:
         ``info`` is what the run was submitted with (address, dir, python, cost_per_gpu_hour)."""
         raise NotImplementedError
 
-    def status(self, run: dict) -> tuple[str | None, str | None]:
-        """(status in STATUSES, message) of the run's current submission; (None, why) if the engine cannot say."""
+    def status(self, run: dict, timeout: float = 10.0) -> tuple[str | None, str | None]:
+        """(status in STATUSES, message) of the run's current submission; (None, why) if the engine does
+        not know it. Raises ClusterUnreachable when the engine does not answer within ``timeout`` seconds.
+
+        It is asked by `status`, `show` and `ls`: it must not import the engine's client library."""
         raise NotImplementedError
 
     def logs(self, run: dict) -> str:

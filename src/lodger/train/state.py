@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import durable, faults
 from ..checkpoint import CheckpointStore
+from ..ckpt_interval import interval_for
 from ..config import JobConfig, job_hash
 from ..control import Control
 from ..data import DataFile, Sampler, TokenizedSet
@@ -100,6 +101,8 @@ class Session:
         self.fingerprint = prov.numerics_fingerprint(self.device)
         self.limits = LimitWatch(job, self.device, self.dir, self.control, self.meter)
         self.sync = make_sync(self.control, self.limits, job, ranks)
+        # "auto" reads and records in the run's ledger, which only rank 0 has (ckpt_interval.py)
+        self.sync.interval = interval_for(job.checkpoints.every_seconds, ledger if ranks.rank == 0 else None, run_id)
         checkpoints, keep = self.dir / "checkpoints", job.checkpoints.keep_last
         store = CheckpointStore(checkpoints, keep, self.world_size) if self.rank == 0 else None
         self.sync.barrier()  # rank 0 has created the checkpoints folder; the others may not race it

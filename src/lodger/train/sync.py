@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..ckpt_interval import interval_for
 from ..control import ReleaseRequested
 
 
@@ -28,8 +29,11 @@ class LocalSync:
 
     rank, world_size, writes, saves_alone = 0, 1, True, True
 
-    def __init__(self, control, limits, every_seconds: float | None):
-        self.control, self.limits, self.every_seconds = control, limits, every_seconds
+    def __init__(self, control, limits, every_seconds: float | str | None):
+        self.control, self.limits = control, limits
+        # interval.seconds(last_save): seconds between time-based saves, None for none. "auto" needs
+        # the run's ledger: the Session sets the live one (ckpt_interval.AutoInterval) on rank 0.
+        self.interval = interval_for(every_seconds, None, "")
 
     def start(self, model) -> bool:
         from .step import install_yield_points
@@ -51,7 +55,8 @@ class LocalSync:
         return bool(self.control.stop)
 
     def save_due(self, last_save: float) -> bool:
-        return self.every_seconds is not None and time.monotonic() - last_save >= self.every_seconds
+        every = self.interval.seconds(last_save)
+        return every is not None and time.monotonic() - last_save >= every
 
     def agree_checkpoint(self, store, check, on_damaged=None):
         return _newest_good(store, check, on_damaged)
@@ -70,8 +75,8 @@ class DataParallelSync:
 
     saves_alone = False  # a lone rank 0 save would wait for the others at the barrier
 
-    def __init__(self, control, limits, every_seconds: float | None, rank: int, world_size: int):
-        self.control, self.limits, self.every_seconds = control, limits, every_seconds
+    def __init__(self, control, limits, every_seconds: float | str | None, rank: int, world_size: int):
+        self.control, self.limits, self.interval = control, limits, interval_for(every_seconds, None, "")
         self.rank, self.world_size, self.writes = rank, world_size, rank == 0
         self.flags = (False, False, False)
 
@@ -94,7 +99,7 @@ class DataParallelSync:
             except ReleaseRequested:  # with several ranks a release finishes the step first
                 flags[RELEASE] = 1.0
             flags[STOP] = float(self.control.stop is not None)
-            every = self.every_seconds
+            every = self.interval.seconds(last_save)
             flags[SAVE_DUE] = float(every is not None and time.monotonic() - last_save >= every)
         loss_sum, summed = reduce_step(params, loss_sum, flags)
         self.flags = (summed[RELEASE] > 0, summed[STOP] > 0, summed[SAVE_DUE] > 0)

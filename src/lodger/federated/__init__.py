@@ -1,0 +1,8 @@
+"""Federated fine-tuning on Flower's deployment runtime (SuperLink, SuperNodes, `flwr run`).
+
+server.py and client.py are the Flower ServerApp and ClientApp around lodger's own training loop;
+aggregate.py is the deterministic FedAvg of adapters; rounds.py the server's committed round
+state; messages.py what crosses the wire; processes.py starts the real Flower processes.
+owner.py and plan.py (the owner's say and the gate's plan) are fedgate's.
+Nothing here is imported by a command that only reads.
+"""

@@ -1,0 +1,275 @@
+"""lodger's Flower ClientApp: one round on the owner's machine is one ordinary local lodger run.
+
+For round r the client writes a round job into its own $LODGER_HOME (the federated job with
+`[data] train = "dataset:NAME"` of the owner's registered dataset, `[training] steps = local_steps`,
+`seed = seed + r - 1`, and `[method] init_adapter` = the global adapter it received; round 1 of a
+fresh job starts from the job's seeded adapter, exactly as a local run does), then creates and
+executes that run with lodger's own run lifecycle and training loop, in this process. It sends back
+only the adapter tensors, the target-token count and metrics, and records a ledger event of what
+it received and what it sent.
+
+Optimizer state across rounds: each round is a fresh run, so a fresh AdamW and a fresh schedule
+(warmup and cosine over the round's local steps). Nothing of the optimizer crosses rounds: the
+global adapter replaces the local weights each round, and moments of weights that were averaged
+away would point the wrong way. Hence round 1 equals a local run of the same steps bit for bit;
+later rounds differ from one long local run by the restarted moments and schedule.
+
+A round the client already worked on (the server restarted and asks again, with the same global
+adapter): a finished local run is sent again as it is; an interrupted one is resumed from its
+local checkpoint (`interrupted_client = "finish"`, the steps already paid for are kept, and
+lodger's resume is bitwise exact) or started afresh (`"drop"`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .. import durable
+from ..config import DATASET_PREFIX, read_toml, to_toml
+from ..errors import FederatedError
+from .aggregate import tensors_bytes, tensors_sha256
+from .messages import CLIENT_ID, RoundOrder
+from .rounds import ADAPTER, ADAPTER_CONFIG, job_folder, safetensors_bytes, safetensors_tensors
+
+
+def _client_folder(job_id: str) -> Path:
+    return job_folder(job_id) / "client"
+
+
+def _absolute(value: str, base: Path) -> str:
+    candidate = base / value
+    return str(candidate.resolve()) if not Path(value).is_absolute() and candidate.exists() else value
+
+
+def round_job(job_path: Path, dataset: str, order: RoundOrder, received: Path | None) -> dict:
+    """The federated job turned into this round's local job (a TOML table)."""
+    raw = read_toml(job_path, "job file")
+    base = job_path.resolve().parent
+    federated = raw.pop("federated", None)
+    if not isinstance(federated, dict):
+        raise FederatedError(f"{job_path}: no [federated] section; a federated run needs one (see docs/federated.md)")
+    data = dict(raw.get("data") or {})
+    data["train"] = DATASET_PREFIX + dataset
+    if isinstance(data.get("eval"), str) and not data["eval"].startswith(DATASET_PREFIX):
+        data["eval"] = _absolute(data["eval"], base)
+    raw["data"] = data
+    model = dict(raw.get("model") or {})
+    if isinstance(model.get("source"), str):
+        model["source"] = _absolute(model["source"], base)
+    raw["model"] = model
+    training = {k: v for k, v in (raw.get("training") or {}).items() if k not in ("steps", "epochs")}
+    training["steps"] = order.local_steps
+    training["seed"] = int(training.get("seed", 0)) + order.round - 1  # fresh data order each round
+    raw["training"] = training
+    method = dict(raw.get("method") or {})
+    if received is not None:
+        method["init_adapter"] = str(received)
+    raw["method"] = method
+    raw["name"] = f"{order.job_id[:40]}-r{order.round}"
+    return raw
+
+
+def write_received(folder: Path, tensors: dict[str, np.ndarray], method: dict) -> Path:
+    """The received global adapter as a peft folder that `[method] init_adapter` continues."""
+    config = {"peft_type": "LORA", "r": method.get("rank", 8), "lora_alpha": float(method.get("alpha", 16.0)),
+              "target_modules": sorted(method.get("target_modules", ["q_proj", "v_proj"])),
+              "task_type": "CAUSAL_LM", "bias": "none"}
+    durable.write_folder(folder, {ADAPTER: safetensors_bytes(tensors),
+                                  ADAPTER_CONFIG: json.dumps(config, sort_keys=True).encode()}, replace=True)
+    return folder
+
+
+def _record_path(job_id: str, round_no: int) -> Path:
+    return _client_folder(job_id) / f"round-{round_no:06d}.json"
+
+
+def _earlier_run(job_id: str, order: RoundOrder) -> str | None:
+    """The local run of this round made from the same global adapter, if there is one."""
+    try:
+        record = json.loads(_record_path(job_id, order.round).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return record.get("run_id") if record.get("started_from") == order.sha256 else None
+
+
+def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str = "finish",
+              wait_seconds: float = 3600.0) -> tuple[str, Path]:
+    """Train this round as a local lodger run (or reuse/resume the one made for it); return the run
+    id and its adapter folder."""
+    from ..home import private_mkdir, run_dir
+    from ..ledger import Ledger
+    from ..run import create_run, execute, resume_prepared
+    from ..runlock import is_locked
+
+    earlier = _earlier_run(order.job_id, order)
+    if earlier is not None and run_dir(earlier).is_dir():
+        _wait_unlocked(run_dir(earlier), is_locked, wait_seconds)
+        with Ledger() as ledger:
+            status = ledger.run(earlier)["status"]
+        if status == "finished":
+            return earlier, run_dir(earlier) / "adapter"
+        if interrupted == "finish" and status in ("interrupted", "paused", "running", "held", "failed"):
+            status = execute(earlier, resume_prepared(earlier), resuming=True, quiet=True)
+            return _finished(earlier, status)
+    folder = _client_folder(order.job_id) / f"round-{order.round:06d}"
+    private_mkdir(folder)
+    received = write_received(folder / "received", order.tensors, (read_toml(job_path, "job file").get("method") or {})) \
+        if order.tensors else None
+    job_file = folder / "job.toml"
+    durable.atomic_write(job_file, to_toml(round_job(job_path, dataset, order, received)).encode())
+    run_id, prepared = create_run(job_file)
+    durable.atomic_write(_record_path(order.job_id, order.round),
+                         json.dumps({"run_id": run_id, "started_from": order.sha256}).encode())
+    status = execute(run_id, prepared, resuming=False, quiet=True)
+    return _finished(run_id, status)
+
+
+def _finished(run_id: str, status: str) -> tuple[str, Path]:
+    from ..home import run_dir
+
+    if status != "finished":
+        raise FederatedError(f"local run {run_id} of this round ended {status!r}, not finished; the round "
+                             "goes on without this client")
+    return run_id, run_dir(run_id) / "adapter"
+
+
+def _wait_unlocked(folder: Path, is_locked, seconds: float) -> None:
+    """Another ClientApp process (of a run the server abandoned) may still train this round's run."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while is_locked(folder) and time.monotonic() < deadline:
+        time.sleep(0.2)  # bounded poll for the other process to finish or die
+
+
+def round_result(run_id: str) -> tuple[int, int, float]:
+    """(target tokens, steps, last train loss) of a finished round run, from its metrics.jsonl."""
+    from ..home import run_dir
+
+    tokens, steps, loss = 0, 0, float("nan")
+    lines = (run_dir(run_id) / "metrics.jsonl").read_text().splitlines()
+    by_step = {}
+    for line in lines:
+        row = json.loads(line)
+        if row.get("kind") == "train":
+            by_step[row["step"]] = row  # a resumed run may repeat a step: the newest line counts
+    for step in sorted(by_step):
+        tokens += int(by_step[step]["tokens"])
+        steps, loss = step, float(by_step[step]["loss"])
+    return tokens, steps, loss
+
+
+def protect(tensors: dict[str, np.ndarray], start: dict[str, np.ndarray], privacy: dict, seed: int,
+            round_no: int, client_id: str) -> dict[str, np.ndarray]:
+    """Clip the update (trained minus received) to ``clip_norm`` and add seeded Gaussian noise of
+    standard deviation ``noise_multiplier * clip_norm`` (the fixed-clipping client-side DP recipe)."""
+    clip = privacy.get("clip_norm")
+    if not clip:
+        return tensors
+    names = sorted(tensors)
+    delta = {k: tensors[k].astype(np.float64) - (start[k].astype(np.float64) if k in start else 0.0) for k in names}
+    norm = float(np.sqrt(sum(float(np.sum(d * d)) for d in delta.values())))
+    scale = min(1.0, float(clip) / norm) if norm > 0 else 1.0
+    sigma = float(privacy.get("noise_multiplier", 0.0)) * float(clip)
+    rng = np.random.default_rng([seed, round_no, int.from_bytes(client_id.encode()[:8].ljust(8, b"\0"), "little")])
+    out = {}
+    for k in names:
+        noisy = delta[k] * scale + (rng.normal(0.0, sigma, delta[k].shape) if sigma > 0 else 0.0)
+        base = start[k].astype(np.float64) if k in start else 0.0
+        out[k] = (base + noisy).astype(tensors[k].dtype)
+    return out
+
+
+def check_client(client_id: str, dataset: str) -> dict:
+    """The client's id is a plain name and its dataset is registered for federated use; returns the
+    dataset's registration (recorded with every round)."""
+    from ..datasets import get
+
+    if not CLIENT_ID.match(client_id or ""):
+        raise FederatedError(f"node config client-id = {client_id!r}: use letters, digits, '_', '.', '-'")
+    registered = get(dataset)
+    if not registered.may_federate or not registered.may_train:
+        raise FederatedError(f"dataset {dataset!r} is not registered for federated use; its owner can allow it "
+                             f"with `lodger data grant {dataset} --federate`; nothing was sent")
+    return {"name": registered.name, "sha256": registered.sha256, "lines": registered.lines}
+
+
+def train_round(job_path: Path, client_id: str, dataset: str, order: RoundOrder) -> tuple[dict, dict]:
+    """One round on this machine: train, protect, record. Returns (tensors to send, facts for the reply)."""
+    from ..ledger import Ledger
+
+    registered = check_client(client_id, dataset)
+    federated = read_toml(job_path, "job file").get("federated") or {}
+    run_id, adapter = run_round(job_path, dataset, order, federated.get("interrupted_client", "finish"))
+    tokens, steps, loss = round_result(run_id)
+    trained = safetensors_tensors((adapter / ADAPTER).read_bytes())
+    seed = int((read_toml(job_path, "job file").get("training") or {}).get("seed", 0))
+    sent = protect(trained, order.tensors, federated.get("privacy") or {}, seed, order.round, client_id)
+    facts = {"tokens": tokens, "steps": steps, "loss": loss}
+    with Ledger() as ledger:
+        ledger.event(run_id, "federated_client_round", job_id=order.job_id, round=order.round, client_id=client_id,
+                     received={"sha256": order.sha256, "bytes": order.bytes, "tensors": len(order.tensors)},
+                     sent={"sha256": tensors_sha256(sent), "bytes": tensors_bytes(sent), "tensors": len(sent),
+                           "what": "adapter tensors, target-token count, metrics"},
+                     dataset=registered, target_tokens=tokens, steps=steps, train_loss=loss,
+                     privacy=federated.get("privacy") or {})
+    return sent, facts
+
+
+def _handle(msg, context):
+    from flwr.app import Message
+
+    from .messages import read_round, reply_content
+
+    node, run = context.node_config, context.run_config
+    if node.get("lodger-home"):
+        os.environ["LODGER_HOME"] = str(node["lodger-home"])
+    job_path = Path(str(node.get("job") or run.get("job") or ""))
+    if not job_path.is_file():
+        raise FederatedError(f"job file {str(job_path)!r} not found on this machine; give it with "
+                             "--node-config 'job=\"PATH\"' (or the run's job)")
+    client_id, dataset = str(node.get("client-id", "")), str(node.get("dataset", ""))
+    order = read_round(msg.content)
+    check_client(client_id, dataset)
+    _owner_permission(job_path, dataset)
+    verdict = _owner_verdict(job_path, dataset, order.round)
+    if verdict is not None:
+        raise FederatedError(f"client {client_id} declines round {order.round}: {verdict}")
+    sent, facts = train_round(job_path, client_id, dataset, order)
+    return Message(reply_content(client_id, sent, tokens=facts["tokens"], steps=facts["steps"],
+                                 loss=facts["loss"], started_from=order.sha256), reply_to=msg)
+
+
+def _owner_verdict(job_path: Path, dataset: str, round_no: int) -> str | None:
+    """The owner's say (owner.py): held, released, a limit near, or the [policy] now; None: take it."""
+    from ..home import home
+    from .owner import round_verdict
+
+    return round_verdict(home(), job_path, dataset, round=round_no)
+
+
+def _owner_permission(job_path: Path, dataset: str) -> None:
+    """owner.py's permission check (a chained `federated_permission` event), before any training."""
+    from ..home import home
+    from .owner import check_permission, load_client_job
+
+    check_permission(home(), load_client_job(job_path, dataset), dataset)
+
+
+def _make_app():
+    from flwr.clientapp import ClientApp
+
+    client_app = ClientApp()
+
+    @client_app.train()
+    def train(msg, context):
+        return _handle(msg, context)
+
+    return client_app
+
+
+app = _make_app()
