@@ -71,9 +71,11 @@ def main(run_id: str, run_uri: str, submission_id: str) -> int:
     segment = max((b for b in _segments(store, beats)), default=None)
     env = {**os.environ, "LODGER_HOME": str(home),
            heartbeat.PRIOR_ENV: repr(sum(v for k, v in beats.items() if k != submission_id))}
-    mode = "start" if store.local or segment is None else f"seed:{segment}"
-    child = subprocess.Popen([sys.executable, "-m", "lodger.remote.worker", "--train", run_id,
-                              str(root / "job.toml"), run_uri, mode], env=env)
+    if store.local or segment is None:  # the CLI's worker: crash log in the run, Ray Train for nodes > 1
+        command = ["-m", "lodger.cli.main", "_remote_worker", run_id, str(root / "job.toml")]
+    else:
+        command = ["-m", "lodger.remote.worker", "--train", run_id, str(root / "job.toml"), run_uri, str(segment)]
+    child = subprocess.Popen([sys.executable, *command], env=env)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     started, every, last_beat = time.monotonic(), heartbeat.interval(), float("-inf")
@@ -166,11 +168,8 @@ def resume_fresh(run_id: str, job_path: Path, run_uri: str, segment: int) -> str
     return execute(run_id, prepared, resuming=True, quiet=True)
 
 
-def _train(run_id: str, job_path: str, run_uri: str, mode: str) -> int:
-    if mode.startswith("seed:"):
-        resume_fresh(run_id, Path(job_path), run_uri, int(mode.removeprefix("seed:")))
-    else:
-        start(run_id, Path(job_path))
+def _train(run_id: str, job_path: str, run_uri: str, segment: str) -> int:
+    resume_fresh(run_id, Path(job_path), run_uri, int(segment))
     return 0
 
 
