@@ -25,8 +25,10 @@ class Target(Section):
     address: str
     """The Ray dashboard address, e.g. http://127.0.0.1:8265."""
     storage: str
-    """A folder both this machine and the cluster see (a shared or synced file system): the
-    remote run's checkpoints, metrics and logs live there and are read back from there."""
+    """Where everything that crosses lives (staged job, data and model, checkpoints, the event
+    log, logs, pause requests): a folder both this machine and the cluster see (`/mnt/shared/x`
+    or `file:///mnt/shared/x`), or S3-compatible object storage (`s3://bucket/prefix`; endpoint
+    and credentials from the usual AWS environment variables or AWS_PROFILE, never stored)."""
     python: str | None = None
     """The interpreter with lodger installed on the cluster (a Ray job runs with the head's PATH);
     default: this machine's, right for a cluster on this machine."""
@@ -57,6 +59,21 @@ class Target(Section):
         from .remote.backend import check_kind  # the registry of kinds: no engine imported
 
         return check_kind(value)
+
+    @field_validator("storage")
+    @classmethod
+    def _a_folder_or_a_bucket(cls, value: str) -> str:
+        from urllib.parse import urlparse
+
+        parsed = urlparse(value)
+        if parsed.scheme not in ("", "file", "s3", "s3a"):
+            raise ValueError("not a folder or an s3:// URI; use /path, file:///path or s3://bucket/prefix")
+        if "@" in parsed.netloc:  # s3://KEY:SECRET@bucket would put the secret in targets.toml
+            raise ValueError("credentials do not belong in the storage URI (it is saved in targets.toml); set "
+                             "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE in the environment instead")
+        if parsed.scheme.startswith("s3") and not parsed.netloc:
+            raise ValueError("no bucket; write s3://bucket/prefix")
+        return value
 
     @field_validator("address")
     @classmethod

@@ -205,7 +205,7 @@ def test_remote_job_runs_there_and_its_results_come_home_bitwise_equal(ray_head,
     logs = run_lodger(["logs", run_id], env)
     assert logs.returncode == 0 and "finished: 24 steps" in logs.stdout, describe(logs)
     ray_logs = run_lodger(["logs", run_id, "--ray"], env)
-    assert ray_logs.returncode == 0 and "_remote_worker" in ray_logs.stdout, describe(ray_logs)
+    assert ray_logs.returncode == 0 and "lodger.remote.worker" in ray_logs.stdout, describe(ray_logs)
     audit = run_lodger(["audit"], env)
     assert audit.returncode == 0, describe(audit)
 

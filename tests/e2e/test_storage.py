@@ -15,6 +15,12 @@ from pathlib import Path
 
 import pytest
 from s3_server import boto_client, s3_bucket, s3_server  # noqa: F401 - fixtures
+try:  # a real local Ray head, started only by the test that asks for it
+    from test_remote_ray import ray_head  # noqa: F401 - fixture
+except pytest.skip.Exception:  # ray not installed: only the scenario that needs it is skipped
+    @pytest.fixture(scope="module")
+    def ray_head():
+        pytest.skip("ray is not installed (pip install 'lodger[remote]')")
 
 from lodger.errors import CheckpointError
 from lodger.remote import storage
@@ -234,3 +240,214 @@ def test_files_stream_up_and_down_unchanged(uri, tmp_path):
     with pytest.raises(FileNotFoundError):
         remote.get_file("run/model/absent", tmp_path / "absent")
     assert not (tmp_path / "absent").exists()
+
+
+# -- wired into remote runs: sync and resume take only what verifies; heartbeats count killed time --
+
+def _remote_run(bucket: str, home: Path, monkeypatch, job_text: bytes = b"name = 'x'\n") -> tuple[dict, Storage]:
+    """A local run recorded as submitted to ``bucket`` (what lodger.remote.submit records)."""
+    import hashlib
+
+    from lodger.ledger import Ledger
+
+    monkeypatch.setenv("LODGER_HOME", str(home))
+    run_id = "wired-run"
+    run_store = Storage.open(f"{bucket}/store").child(run_id)
+    run_store.write_bytes("job.toml", job_text, exclusive=True)
+    with Ledger() as ledger:
+        head = ledger.head()
+        ledger.create_run(run_id, name="wired", model="m", method="lora", job_hash="h", job_toml="",
+                          total_steps=10, pid=None, managed=True)
+        info = {"kind": "ray", "address": "http://127.0.0.1:1", "storage": f"{bucket}/store", "dir": run_store.uri,
+                "python": sys.executable, "cost_per_gpu_hour": 0.0, "anchor": head["hash"],
+                "job_sha256": hashlib.sha256(job_text).hexdigest()}
+        ledger.update_run(run_id, target="t", remote=json.dumps(info), remote_job_id=f"{run_id}-s0")
+        return ledger.run(run_id), run_store
+
+
+def test_sync_and_resume_take_only_checkpoints_whose_manifest_verifies(s3_bucket, tmp_path, monkeypatch):
+    from lodger.home import run_dir
+    from lodger.ledger import Ledger
+    from lodger.remote import RemoteError, run_key
+    from lodger.remote.mirror import seed
+    from lodger.remote.sync import sync
+
+    run, store = _remote_run(s3_bucket, tmp_path / "home", monkeypatch)
+    prefix = f"{run_key(run['id'])}/checkpoints"
+    _commit(store, 2, prefix=prefix)
+    for name, data in _files().items():  # step 4: uploaded, never committed (no manifest)
+        store.write_bytes(f"{prefix}/step-00000004/{name}", data)
+    truncated = _commit(store, 6, prefix=prefix)  # step 6: committed, then a file cut short
+    store.write_bytes(f"{truncated}/part-0.bin", _files()["part-0.bin"][:-3])
+    altered = _commit(store, 8, prefix=prefix)  # step 8: same size, other bytes (only hashing sees it)
+    store.write_bytes(f"{altered}/part-2.bin", b"\x00" * 102)
+    log = EventLog(store, "events", run_id=run["id"], anchor=json.loads(run["remote"])["anchor"])
+    log.append("batch", {"run": {"step": 8, "loss": 1.0, "segment": 0, "status": "running", "total_steps": 10},
+                         "metrics": [{"kind": "train", "step": 1, "loss": 2.0, "segment": 0}],
+                         "events": [{"seq": 1, "time": 1.0, "kind": "started", "data": {}}]})
+    with Ledger() as ledger:
+        synced = sync(ledger, run)
+        assert sorted(p.name for p in (run_dir(run["id"]) / "checkpoints").iterdir()) == ["step-00000002"]
+        assert synced["status"] == "running" and synced["step"] == 8 and synced["remote_seq"] == 1
+        assert synced["remote_log_hash"] == log.head()[1]
+        assert [e["data"]["remote_kind"] for e in ledger.events(run["id"]) if e["kind"] == "remote_event"] \
+            == ["started"]
+        assert ledger.metrics(run["id"])[0]["loss"] == 2.0
+        again = sync(ledger, synced)  # nothing new: nothing taken twice
+        assert again["remote_seq"] == 1 and len(ledger.metrics(run["id"])) == 1
+        # A record rewritten behind this machine's back is refused, naming it; nothing is taken.
+        forged = {**json.loads(store.read_bytes("events/000000001.json")), "data": {"run": {"step": 99}}}
+        forged["hash"] = record_hash(forged)
+        store.write_bytes("events/000000001.json", json.dumps(forged).encode())
+        with pytest.raises(RemoteError, match="record 1 is not the one taken here"):
+            sync(ledger, again)
+        assert ledger.run(run["id"])["step"] == 8
+    fresh = tmp_path / "node" / "run"  # a fresh node resuming: only step 2 verifies
+    fresh.mkdir(parents=True)
+    assert seed(store, run["id"], fresh) == 2
+    assert sorted(p.name for p in (fresh / "checkpoints").iterdir()) == ["step-00000002"]
+
+
+def test_sync_of_a_run_whose_storage_cannot_be_reached_says_so_and_takes_nothing(s3_bucket, tmp_path, monkeypatch):
+    import socket
+
+    from lodger.home import run_dir
+    from lodger.ledger import Ledger
+    from lodger.remote import RemoteError
+    from lodger.remote.sync import sync
+
+    run, _ = _remote_run(s3_bucket, tmp_path / "home", monkeypatch)
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{sock.getsockname()[1]}")
+    with Ledger() as ledger, pytest.raises(RemoteError, match="cannot read the job run wired-run was submitted with"):
+        sync(ledger, run)
+    assert not run_dir(run["id"]).exists()
+
+
+def test_a_job_killed_repeatedly_without_checkpoints_stops_at_its_wall_time_limit(s3_bucket, tmp_path, monkeypatch,
+                                                                                  tiny_model_dir, e2e_data):
+    """Two submissions killed without a checkpoint left only their heartbeats: the next training
+    process starts with their wall time counted and stops at once; `lodger resume` refuses to submit."""
+    import time
+    from types import SimpleNamespace
+
+    from helpers import write_job
+
+    from lodger.control import Control, read_requests
+    from lodger.jobfile import load_job
+    from lodger.remote import heartbeat
+    from lodger.remote.backend import RemoteError
+    from lodger.train.limits import REMOTE_ENV, LimitWatch
+
+    store = Storage.open(f"{s3_bucket}/store").child("killed-run")
+    heartbeat.write(store, "killed-run-s0", 40.0, segment=0)  # SIGKILLed: its last heartbeat stays
+    heartbeat.write(store, "killed-run-s1", 35.0, segment=1)
+    store.write_bytes("heartbeats/not-a-heartbeat.json", b"{")  # what does not parse is left out
+    assert heartbeat.spent_wall_seconds(store) == 75.0
+    assert heartbeat.spent_wall_seconds(store, exclude="killed-run-s1") == 40.0
+    job = load_job(write_job(tmp_path / "job.toml", model=tiny_model_dir, train=e2e_data["train"],
+                             extra={"remote": {"wall_hours": 60 / 3600}}))  # one minute
+    with pytest.raises(RemoteError, match="already spent 0.0208 h of its \\[remote\\] wall_hours"):
+        heartbeat.refuse_past_wall_limit(store, "killed-run", job.remote.wall_hours)
+    heartbeat.refuse_past_wall_limit(store, "killed-run", 1.0)  # under a larger limit it may go on
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    monkeypatch.setenv(REMOTE_ENV, "1")
+    monkeypatch.setenv(heartbeat.PRIOR_ENV, repr(heartbeat.spent_wall_seconds(store)))  # what the worker passes
+    meter = SimpleNamespace(wall0=time.time(), cpu0=time.process_time())
+    watch = LimitWatch(job, "cpu", folder, Control(folder), meter)
+    assert watch.prior_wall_seconds == 0.0  # the ledger of a fresh node knows no earlier segment
+    watch.check()
+    limit = read_requests(folder)["limit"]
+    assert limit["state"] == "release" and "wall-time limit" in limit["reason"] and limit["wall_hours"] >= 75 / 3600
+
+
+def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s3_server, ray_head, standard_job,
+                                                                      baseline, lodger_home, tmp_path, monkeypatch):
+    """Through the gate to an s3:// target on a real Ray head: the job stages to and commits
+    checkpoints in the bucket; `pause` reaches it as an object it polls; `resume` continues from
+    the bucket on a fresh scratch home; its training process is SIGKILLed and resumed again; `sync`
+    brings everything home bitwise equal to a local run. Nothing secret lands in the bucket, the
+    ledger or a job file."""
+    import secrets
+    import tempfile
+
+    from helpers import (describe, event_kinds, final_adapter_bytes, lodger_env, run_dir_of, run_lodger, show,
+                         train_records, wait_for_step, wait_until)
+    from test_remote_ray import RAY_ENV, _remote_events, _submit_through_gate, _wait_synced
+
+    from lodger.runlock import lock_pid
+
+    secret = f"lodger-e2e-secret-{secrets.token_hex(8)}"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # moto takes any key; a unique one can be searched for
+    env = lodger_env(lodger_home, **RAY_ENV)
+    head = {**ray_head, "storage": f"{s3_bucket}/lodger"}
+    _wait_for_job_agent(ray_head["address"])
+    run_id = _submit_through_gate(standard_job, head, env, tmp_path)
+    client, bucket = boto_client(s3_server), s3_bucket.removeprefix("s3://")
+
+    scratch = Path(tempfile.gettempdir()) / "lodger-worker" / run_id / "home" / "runs" / run_id
+    # Asked at once (the request waits in the bucket until the worker polls it), so that it lands
+    # well before the 24 steps end however loaded this machine is.
+    paused = run_lodger(["pause", run_id, "--timeout", "300"], env)  # a request object the worker polls
+    assert paused.returncode == 0 and "paused at step" in paused.stdout, describe(paused)
+    info = _wait_synced(run_id, env, ("paused",), ray_ended=True)
+    step = info["step"]
+    assert step < 20 and (not step or info["checkpoints"][-1] == f"step-{step:08d}"), info
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    run = f"lodger/{run_id}"
+    assert {f"{run}/job.toml", f"{run}/chain_head.json", f"{run}/events/000000001.json",
+            f"{run}/heartbeats/{run_id}-s0.json", f"{run}/home/runs/{run_id}/control/user.json"} <= keys, sorted(keys)
+    assert any(k.startswith(f"{run}/data/") for k in keys) and any(k.startswith(f"{run}/model/") for k in keys)
+
+    resumed = run_lodger(["resume", run_id], env)  # a fresh scratch home, seeded from the bucket
+    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
+    wait_for_step(scratch, step + 3, segment=1, timeout=300)
+    pid = lock_pid(scratch)
+    assert pid, "the training process's lock names no pid"
+    os.kill(pid, signal.SIGKILL)
+    crashed = _wait_synced(run_id, env, ("crashed",))
+    assert crashed["ray_status"] == "FAILED" and crashed["step"] < 24, crashed
+
+    resumed = run_lodger(["resume", run_id], env)
+    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
+    info = _wait_synced(run_id, env, ("finished",))
+    local = run_dir_of(run_id, env)
+    assert info["submission_id"].endswith("-s2") and info["checkpoints"] == ["step-00000020", "step-00000024"], info
+    assert train_records(local) == baseline.records
+    assert final_adapter_bytes(local) == baseline.adapter
+    shown = show(run_id, env)
+    assert {"created", "started", "checkpoint", "resumed", "finished"} <= set(_remote_events(shown))
+    assert event_kinds(shown).count("remote_submitted") == 3 and "remote_job_ended" in event_kinds(shown)
+    assert shown["last_train"]["step"] == 24  # metrics came home through the event log
+    audit = run_lodger(["audit"], env)
+    assert audit.returncode == 0, describe(audit)
+
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert f"{run}/home/runs/{run_id}/checkpoints/step-00000024/MANIFEST.json" in keys
+    assert not [k for k in keys if secret.encode() in client.get_object(Bucket=bucket, Key=k)["Body"].read()]
+    leaked = [p for p in Path(lodger_home).rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not leaked, leaked
+
+
+def _wait_for_job_agent(address: str) -> None:
+    """A fresh Ray head answers "No available agent to submit job" for a while: submit a no-op job
+    until it is accepted (bounded), so the scenario's one submission is not refused."""
+    from helpers import wait_until
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+
+    def accepted():
+        try:
+            return client.submit_job(entrypoint="true")
+        except RuntimeError as exc:
+            if "No available agent" in str(exc):
+                return None
+            raise
+
+    job = wait_until(accepted, 180, what="the Ray head's job agent", interval=0.5)
+    wait_until(lambda: str(client.get_job_status(job)) in ("SUCCEEDED", "JobStatus.SUCCEEDED"), 180,
+               what="the probe job to end", interval=0.2)

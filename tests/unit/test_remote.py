@@ -65,6 +65,15 @@ def _remote_run(storage: Path, run_id: str) -> tuple[Path, Path]:
     return home, folder
 
 
+def _remote_log(storage: Path, run_id: str):
+    """The run's event log in its storage folder, as the worker appends to it (anchored at genesis:
+    the rows below record no anchor, as runs submitted before lodger recorded one)."""
+    from lodger.remote.eventlog import EventLog
+    from lodger.remote.storage import Storage
+
+    return EventLog(Storage.open(str(storage / run_id)), "events", run_id=run_id, anchor="0" * 64)
+
+
 def test_sync_copies_only_verified_checkpoints_and_ingests_events_once(tmp_path, lodger_home):
     run_id = "remote-1"
     storage = tmp_path / "storage"
@@ -74,12 +83,13 @@ def test_sync_copies_only_verified_checkpoints_and_ingests_events_once(tmp_path,
     store.save(8, {"adapter_model.safetensors": b"eight", "state.json": b"{}"})
     flip_byte(folder / "checkpoints" / "step-00000008" / "adapter_model.safetensors")
     (folder / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0}) + "\n")
-    with Ledger(home / "ledger.db") as remote:
-        remote.create_run(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="",
-                          total_steps=24, pid=None)
-        remote.set_status(run_id, "running", "started", step=0)
-        remote.add_metrics(run_id, 0, [{"kind": "train", "step": 1, "loss": 2.0, "segment": 0}])
-        remote.update_run(run_id, step=4)
+    log = _remote_log(storage, run_id)
+    log.append("batch", {"events": [{"seq": 1, "time": 1.0, "kind": "created", "data": {}},
+                                    {"seq": 2, "time": 2.0, "kind": "started", "data": {"step": 0}}],
+                         "run": {"step": 0, "loss": None, "segment": 0, "status": "running", "total_steps": 24}})
+    log.append("batch", {"metrics": [{"kind": "train", "step": 1, "loss": 2.0, "segment": 0}],
+                         "run": {"step": 4, "loss": 2.0, "segment": 0, "status": "running", "total_steps": 24}})
+    (home / "ledger.db").write_bytes(b"not a database: sync never opens one")
 
     from lodger.remote.sync import sync
 
@@ -99,9 +109,9 @@ def test_sync_copies_only_verified_checkpoints_and_ingests_events_once(tmp_path,
     CheckpointStore(local / "checkpoints").load(local / "checkpoints" / "step-00000004")  # verifies
     assert (local / "metrics.jsonl").read_bytes() == (folder / "metrics.jsonl").read_bytes()
     assert run["status"] == again["status"] == "running" and run["step"] == 4
+    assert run["remote_seq"] == 2 and run["remote_log_hash"] == log.head()[1]
     remote_kinds = [e["data"]["remote_kind"] for e in events if e["kind"] == "remote_event"]
-    # every remote event once (rows and run columns are events too): the second sync added nothing
-    assert remote_kinds == ["created", "started", "metrics", "run_updated"]
+    assert remote_kinds == ["created", "started"]  # every remote event once: the second sync added nothing
     assert [e["kind"] for e in events].count("metrics") == 1
     assert [m["step"] for m in metrics] == [1]
 
@@ -110,11 +120,9 @@ def test_sync_keeps_a_local_cancel_whatever_the_remote_says_later(tmp_path, lodg
     status = "cancelled"
     run_id = "remote-2"
     storage = tmp_path / "storage"
-    home, _ = _remote_run(storage, run_id)
-    with Ledger(home / "ledger.db") as remote:
-        remote.create_run(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="",
-                          total_steps=24, pid=None)
-        remote.set_status(run_id, "interrupted", step=3)
+    _remote_run(storage, run_id)
+    _remote_log(storage, run_id).append("batch", {"run": {"step": 3, "loss": None, "segment": 0,
+                                                          "status": "interrupted", "total_steps": 24}})
     from lodger.remote.sync import sync
 
     run_dir(run_id).mkdir(parents=True)
@@ -122,4 +130,6 @@ def test_sync_keeps_a_local_cancel_whatever_the_remote_says_later(tmp_path, lodg
         ledger.create_run(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="",
                           total_steps=24, pid=None)
         ledger.update_run(run_id, target="t", status=status, remote=json.dumps({"dir": str(storage / run_id)}))
-        assert sync(ledger, ledger.run(run_id))["status"] == status
+        synced = sync(ledger, ledger.run(run_id))
+        assert synced["status"] == status and synced["step"] == 3
+

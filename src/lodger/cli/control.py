@@ -77,7 +77,9 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
                                f"({time.monotonic() - started:.2f} s); `lodger resume {run['id']}` continues")
                     break
             elif pid is None:  # remote: the run answers in its state file when it has stopped
-                state = run_state(folder)
+                from ..remote import answered_state
+
+                state = answered_state(run, folder)
                 if state.get("state") in ("paused", "interrupted", "finished") and state.get("time", 0) >= asked - 1:
                     click.echo(f"{run['id']}: {state['state']} at step {state.get('step')} on {run['target']} "
                                f"({time.monotonic() - started:.2f} s)")

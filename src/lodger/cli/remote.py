@@ -158,7 +158,8 @@ def target() -> None:
 @target.command(name="add")
 @click.argument("name")
 @click.option("--address", required=True, help="Ray dashboard address, e.g. http://127.0.0.1:8265.")
-@click.option("--storage", required=True, help="A folder both this machine and the cluster see.")
+@click.option("--storage", required=True, help="A folder both this machine and the cluster see, or "
+                                               "s3://bucket/prefix (keys from the AWS environment).")
 @click.option("--python", help="The interpreter with lodger on the cluster (default: this machine's).")
 @click.option("--gpu-hours", type=float, help="Cap on the GPU hours one job may declare.")
 @click.option("--wall-hours", type=float, help="Cap on the wall-clock hours one job may declare.")

@@ -92,4 +92,7 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("0006_dataset_may_federate", """
         ALTER TABLE datasets ADD COLUMN may_federate INTEGER NOT NULL DEFAULT 0;
     """),
+    ("0007_remote_event_log", """
+        ALTER TABLE runs ADD COLUMN remote_log_hash TEXT;
+    """),
 ]

@@ -7,8 +7,9 @@ whole chain and ``Records.compare`` names each row (table, run, step) that does 
 What the chain covers:
 
 * runs: name, status, model, method, job hash, the job text (its sha256), total steps, step, loss,
-  managed, target, remote job id and remote info. Not covered: pid, segment, created/updated
-  times, remote_seq (bookkeeping; nothing trusts them for a decision).
+  managed, target, remote job id, remote info and the hash of the last remote event-log record
+  taken (``remote_log_hash``: `sync` trusts it to check the chain continues). Not covered: pid,
+  segment, created/updated times, remote_seq (bookkeeping; the hash above pins the record).
 * metrics: each row's hash is carried by the ``metrics`` event that wrote it; truncations are
   ``metrics_truncated`` events.
 * provenance: each segment's record hash, in a ``provenance`` event written with the row.
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RUN_COLUMNS = ("name", "status", "model", "method", "job_hash", "total_steps", "step", "loss", "managed",
-               "target", "remote_job_id", "remote")
+               "target", "remote_job_id", "remote", "remote_log_hash")
 DATASET_COLUMNS = ("path", "sha256", "size", "lines", "license", "owner", "may_train", "may_leave", "targets",
                    "may_federate")
 DATASET_KINDS = ("dataset_added", "dataset_updated", "dataset_granted", "dataset_revoked")

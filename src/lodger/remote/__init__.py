@@ -1,10 +1,11 @@
 """Remote execution: submit an approved job to a target's backend, pause, resume, cancel it.
 
-The remote side runs the very same lodger training (`lodger _remote_worker`, i.e. `execute`) in
-its own LODGER_HOME under the target's storage folder, ``<storage>/<run_id>/home``, with the
-same run id as the local run. Checkpoints, exact resume and limits are therefore the local
-ones. The local run is a mirror: ``sync.py`` copies committed checkpoints, metrics and events
-back from storage.
+The remote side runs the very same lodger training (``remote/worker.py``, i.e. `execute`) in its
+own LODGER_HOME, with the same run id as the local run: ``<storage>/<run_id>/home`` on a shared
+folder, a scratch folder on the node for object storage (``s3://``), mirrored into the same keys
+of the bucket. Checkpoints, exact resume and limits are therefore the local ones. The local run
+is a mirror: ``sync.py`` copies committed checkpoints, metrics and the event log back from
+storage (``storage.py``, by URI), never a remote database.
 
 This module is backend-neutral: it stages what leaves (``staging.py``), keeps the ledger, and
 drives the run's backend (``backend.py``: the interface and the kinds; ``ray.py``: Ray) through
@@ -23,8 +24,14 @@ from .. import durable
 from ..errors import RunStateError
 from .backend import TERMINAL, Backend, RemoteError, get_backend
 
-__all__ = ["TERMINAL", "RemoteError", "backend_for", "cancel", "is_remote", "job_logs", "job_status", "pause",
-           "remote_home", "remote_info", "remote_run_dir", "resume", "submit"]
+__all__ = ["TERMINAL", "RemoteError", "backend_for", "cancel", "is_remote", "job_logs", "job_status",
+           "pause", "answered_state", "remote_home", "remote_info", "remote_run_dir", "resume", "run_key", "run_storage", "submit"]
+
+
+def run_key(run_id: str) -> str:
+    """The key of the remote run folder under the run's storage (the same on a folder and a bucket)."""
+    return f"home/runs/{run_id}"
+
 
 
 # -- where things are -------------------------------------------------------------------------
@@ -39,12 +46,31 @@ def remote_info(run: dict) -> dict:
     return json.loads(run["remote"])
 
 
+def run_storage(run: dict):
+    """The run's own storage, ``<target storage>/<run_id>`` (a folder or a bucket prefix)."""
+    from .storage import Storage
+
+    return Storage.open(remote_info(run)["dir"])
+
+
+def on_shared_folder(run: dict) -> bool:
+    """Whether the run's storage is a folder this machine sees (else object storage)."""
+    from urllib.parse import urlparse
+
+    return urlparse(str(remote_info(run)["dir"])).scheme in ("", "file")
+
+
 def remote_home(run: dict) -> Path:
-    return Path(remote_info(run)["dir"]) / "home"
+    return Path(run_storage(run).root) / "home"
 
 
 def remote_run_dir(run: dict) -> Path:
-    """The remote run folder (checkpoints, metrics.jsonl, log.txt, control/), as seen from here."""
+    """The remote run folder (checkpoints, metrics.jsonl, log.txt, control/) as seen from here: in
+    the shared folder, or, on object storage, the local mirror that `sync` keeps."""
+    if not on_shared_folder(run):
+        from ..home import run_dir
+
+        return run_dir(run["id"])
     return remote_home(run) / "runs" / run["id"]
 
 
@@ -69,8 +95,8 @@ def submit(plan) -> str:
     """Send an approved job (a gate Plan) to its target's backend; return the local run id.
 
     Nothing is written before the backend answers. Then the files that leave are copied into
-    ``<storage>/<run_id>/`` (staged in a temporary folder, verified against the plan's sha256,
-    renamed into place), the local run is recorded with its target, and the job is submitted.
+    ``<storage>/<run_id>/`` (verified against the plan's sha256; job.toml last, create-only: it
+    is the staging's commit), the local run is recorded with its target, and the job is submitted.
     A refused submission leaves the run recorded as failed, with the reason.
     """
     from ..config import to_toml
@@ -80,11 +106,17 @@ def submit(plan) -> str:
     from ..run import JOB_FILE, new_run_id
     from .staging import local_python, planned_steps, stage
 
+    from .storage import Storage, StorageError
+
     job, target = plan.job, plan.target
-    storage = Path(target.storage).expanduser()
-    if not storage.is_dir():
-        raise RemoteError(f"target {plan.target_name}: storage = {str(storage)!r} is not a folder here; create it "
-                          "or point the target at the folder this machine and the cluster share")
+    try:
+        storage = Storage.open(target.storage)
+    except StorageError as exc:
+        raise RemoteError(f"target {plan.target_name}: {exc}") from None
+    if storage.local and not Path(storage.root).is_dir():
+        raise RemoteError(f"target {plan.target_name}: storage = {target.storage!r} is not a folder here; create it "
+                          "or point the target at the folder this machine and the cluster share, or at a bucket "
+                          "(s3://bucket/prefix)")
     backend = get_backend(target.kind)
     backend.connect(target.address)  # fail before writing anything when the cluster is not there
     if job.training.threads is None:
@@ -95,9 +127,11 @@ def submit(plan) -> str:
         head = ledger.head()  # the chain as it was when this left: staged with it and recorded below
     remote_job, job_sha256 = stage(plan, storage, run_id, head)
     # `lodger sync` and `lodger resume` refuse a job.toml in storage that no longer has this hash.
-    info = {"kind": backend.kind, "address": target.address, "storage": str(storage), "dir": str(storage / run_id),
+    # Only the URI goes into the ledger: endpoint and keys stay in the environment (storage.py).
+    run_uri = storage.child(run_id).uri if not storage.local else str(Path(storage.root) / run_id)
+    info = {"kind": backend.kind, "address": target.address, "storage": target.storage, "dir": run_uri,
             "python": target.python or local_python(), "cost_per_gpu_hour": target.cost_per_gpu_hour,
-            "job_sha256": job_sha256}
+            "job_sha256": job_sha256, "anchor": head["hash"]}
 
     durable.write_folder(run_dir(run_id), {JOB_FILE: to_toml(job.resolved_dict()).encode()})
     submission_id = f"{run_id}-s0"
@@ -122,18 +156,61 @@ def submit(plan) -> str:
 
 # -- pause, resume and cancel -----------------------------------------------------------------
 def pause(ledger, run: dict, mode: str) -> Path:
-    """Ask a remote run to release (checkpoint and exit) or hold; return the folder where it answers."""
+    """Ask a remote run to release (checkpoint and exit) or hold; return the folder where it answers.
+
+    On object storage the request is an object the worker polls (``<run>/home/runs/<run>/control/``)."""
     if run["status"] not in ("submitted", "running", "held"):
         raise RunStateError(f"run {run['id']} is not training now (status {run['status']})")
     folder = remote_run_dir(run)
-    backend_for(run).pause(ledger, run, mode, folder)
+    if on_shared_folder(run):
+        backend_for(run).pause(ledger, run, mode, folder)
+        return folder
+    import time
+
+    body = {"state": mode, "by": "user", "reason": "lodger pause", "time": time.time()}  # as control.write_request
+    run_storage(run).write_bytes(f"{run_key(run['id'])}/control/user.json", json.dumps(body).encode())
+    ledger.event(run["id"], "pause_requested", mode=mode, by="user", target=run["target"])
     return folder
+
+
+def answered_state(run: dict, folder: Path, every: float = 1.0) -> dict:
+    """What the remote run last said about itself (``control/state.json``), for a command waiting
+    on its answer: read in the shared folder, or, on object storage, synced home at most every
+    ``every`` seconds (one sync is a few small requests)."""
+    import time
+
+    from ..control import run_state
+
+    if not on_shared_folder(run):
+        last = _synced_at.get(run["id"], 0.0)
+        if time.monotonic() - last >= every:
+            from ..ledger import Ledger
+            from .sync import sync
+
+            with Ledger() as ledger:
+                sync(ledger, ledger.run(run["id"]))
+            _synced_at[run["id"]] = time.monotonic()
+    return run_state(folder)
+
+
+_synced_at: dict[str, float] = {}
+
+
+def _clear_requests(run: dict) -> None:
+    """Void the owner's and the agent's pause requests (a live run notices and continues)."""
+    if on_shared_folder(run):
+        backend_for(run).resume(run, remote_run_dir(run))
+        return
+    store = run_storage(run)
+    for requester in ("user", "agent"):
+        store.delete(f"{run_key(run['id'])}/control/{requester}.json")
 
 
 def resume(ledger, run: dict) -> str:
     """Continue a remote run: a live one by clearing its pause requests, a stopped one by a new
     submission that resumes from the newest good checkpoint in storage. Returns what happened."""
-    from ..jobfile import load_job, parse_job
+    from ..config import JobConfig
+    from ..jobfile import load_job
     from .sync import staged_job, sync
 
     run = sync(ledger, run)  # refuses a job.toml changed in storage since submission
@@ -145,16 +222,22 @@ def resume(ledger, run: dict) -> str:
     status, _ = backend.status(run)
     if status in ("PENDING", "RUNNING") and run["status"] in ("paused", "interrupted"):
         status = _wait_for_job_end(backend, run)  # the run said it stopped; the engine sees its process exit later
-    backend.resume(run, remote_run_dir(run))
+    _clear_requests(run)
     if status in ("PENDING", "RUNNING"):
         ledger.event(run["id"], "resume_requested", by="user")
         return "continues"  # the remote process notices the cleared request by polling
     info = remote_info(run)
+    from .heartbeat import refuse_past_wall_limit
+
+    staged = staged_job(run)  # checked again, and parsed from the very bytes checked
+    # Its training and [remote] tables only: its data paths name copies in storage, not files here.
+    job = JobConfig.model_validate(tomllib.loads(staged.decode())) if staged is not None else None
+    if job is not None:
+        refuse_past_wall_limit(run_storage(run), run["id"], job.remote.wall_hours)
     submissions = sum(1 for e in ledger.events(run["id"]) if e["kind"] == "remote_submitted")
     submission_id = f"{run['id']}-s{submissions}"
-    path = Path(info["dir"]) / "job.toml"
-    staged = staged_job(run)  # checked again, and parsed from the very bytes checked
-    job = load_job(path) if staged is None else parse_job(tomllib.loads(staged.decode()), str(path), path.parent)
+    if job is None:
+        job = load_job(Path(info["dir"]) / "job.toml")
     backend.submit(info, run["id"], submission_id, job)
     with ledger.transaction():
         ledger.update_run(run["id"], remote_job_id=submission_id)

@@ -83,9 +83,11 @@ class RayBackend(Backend):
         from . import raytrain
 
         client = _client(info["address"])
-        entrypoint = " ".join(shlex.quote(part) for part in (
-            info["python"], "-m", "lodger.cli.main", "_remote_worker", run_id, str(Path(info["dir"]) / "job.toml")))
-        env = {"LODGER_HOME": str(Path(info["dir"]) / "home"), REMOTE_ENV: "1",
+        from .worker import entrypoint as worker_entrypoint
+        from .worker import worker_env
+
+        entrypoint = " ".join(shlex.quote(part) for part in worker_entrypoint(info, run_id, submission_id))
+        env = {**worker_env(info), REMOTE_ENV: "1",
                COST_ENV: repr(float(info["cost_per_gpu_hour"])),
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         # With world_size > 1 on one node the worker runs torchrun itself: it needs every rank's share.

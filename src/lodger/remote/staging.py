@@ -1,25 +1,26 @@
 """What leaves with a remote job, whatever the backend: the files copied into storage and the job
 that points at the copies (no engine, no torch).
 
-Layout in storage::
+Layout in the run's storage (a folder or a bucket prefix, ``storage.py``)::
 
-    <storage>/<run_id>/job.toml         the job as it left, paths pointing at the copies below
-    <storage>/<run_id>/chain_head.json  the owner's ledger head when it left
     <storage>/<run_id>/data/...         the data files that left (verified against the plan)
-    <storage>/<run_id>/model/           the model folder/file, unless storage already had it
-    <storage>/<run_id>/home/            the remote LODGER_HOME: ledger.db, runs/<run_id>/
+    <storage>/<run_id>/model/...        the model folder/file, unless a shared folder already had it
+    <storage>/<run_id>/chain_head.json  the owner's ledger head when it left (the event log's anchor)
+    <storage>/<run_id>/job.toml         the job as it left, paths relative to this folder; written
+                                        LAST and create-only: a job.toml means the staging is whole
+    <storage>/<run_id>/events/          the remote side's hash-chained event log (eventlog.py)
+    <storage>/<run_id>/heartbeats/      one object per submission: wall time spent (heartbeat.py)
+    <storage>/<run_id>/home/runs/<run_id>/  the remote run folder: checkpoints/, metrics.jsonl,
+                                        log.txt, adapter/, control/ (pause requests)
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
-from .. import durable
 from .backend import RemoteError
-
 
 def local_python() -> str:
     import sys
@@ -40,49 +41,44 @@ def planned_steps(job) -> int:
     return total_steps(job, rows)
 
 
-def stage(plan, storage: Path, run_id: str, head: dict | None = None):
-    """Copy what leaves into ``<storage>/<run_id>/`` and write the job that points at the copies;
-    return that job and the sha256 of its job.toml."""
+def stage(plan, storage, run_id: str, head: dict | None = None):
+    """Copy what leaves into ``<storage>/<run_id>/`` (a ``Storage``) and write the job that points
+    at the copies, last; return that job and the sha256 of its job.toml."""
     from ..checkpoint import hash_file
     from ..config import to_toml
 
     job = plan.job.model_copy(deep=True)
-    tmp = storage / f".tmp-{run_id}"
-    final = storage / run_id
-    durable.mkdir(tmp)
+    run = storage.child(run_id)
+    if run.exists("job.toml"):
+        raise RemoteError(f"{run.uri}/job.toml already exists; a run id is never staged twice")
+    expected = {str(Path(f.path).resolve()): f.sha256 for f in plan.files}
+    for key in ("train", "eval"):
+        source = getattr(job.data, key)
+        if source is None:
+            continue
+        name = f"{key}-{Path(source).name}"
+        digest = hash_file(Path(source))
+        wanted = expected.get(str(Path(source).resolve()))
+        if wanted is not None and digest != wanted:
+            raise RemoteError(f"[data] {key} = {str(source)!r} changed since it was approved (sha256 {digest}, "
+                              f"approved {wanted}); submit again")
+        run.put_file(Path(source), f"data/{name}")
+        if run.local and hash_file(Path(run.path(f"data/{name}"))) != digest:
+            raise RemoteError(f"[data] {key} = {str(source)!r} changed while it was copied; submit again")
+        setattr(job.data, key, Path("data") / name)  # relative: resolved from the job.toml's folder there
+    model = Path(job.model.source).expanduser()
+    if model.exists() and not (storage.local and model.resolve().is_relative_to(Path(storage.root).resolve())):
+        # The cluster cannot see this machine's disk; an alias or a path already in storage it can.
+        files = sorted(p for p in model.rglob("*") if p.is_file()) if model.is_dir() else [model]
+        for path in files:
+            relative = path.relative_to(model).as_posix() if model.is_dir() else ""
+            run.put_file(path, "/".join(p for p in ("model", model.name, relative) if p))
+        job.model.source = f"model/{model.name}"
+    staged = to_toml(job.resolved_dict()).encode()
+    if head is not None:  # whoever holds the staged job can check this head against the owner's ledger
+        run.write_bytes("chain_head.json", json.dumps(head, sort_keys=True).encode())
     try:
-        (tmp / "data").mkdir()
-        expected = {str(Path(f.path).resolve()): f.sha256 for f in plan.files}
-        for key in ("train", "eval"):
-            source = getattr(job.data, key)
-            if source is None:
-                continue
-            copy = tmp / "data" / (f"{key}-{Path(source).name}")
-            shutil.copyfile(source, copy)
-            digest = hash_file(copy)
-            wanted = expected.get(str(Path(source).resolve()))
-            if wanted is not None and digest != wanted:
-                raise RemoteError(f"[data] {key} = {str(source)!r} changed since it was approved (sha256 {digest}, "
-                                  f"approved {wanted}); submit again")
-            setattr(job.data, key, final / "data" / copy.name)
-        model = Path(job.model.source).expanduser()
-        if model.exists() and not model.resolve().is_relative_to(storage.resolve()):
-            # The cluster cannot see this machine's disk; an alias or a path already in storage it can.
-            copy = tmp / "model" / model.name
-            (tmp / "model").mkdir()
-            if model.is_dir():
-                shutil.copytree(model, copy)
-            else:
-                shutil.copyfile(model, copy)
-            job.model.source = str(final / "model" / model.name)
-        staged = to_toml(job.resolved_dict()).encode()
-        durable.write_file(tmp / "job.toml", staged)
-        if head is not None:  # whoever holds the staged job can check this head against the owner's ledger
-            durable.write_file(tmp / "chain_head.json", json.dumps(head, sort_keys=True).encode())
-        durable.fsync_dir(tmp)
-        durable.rename(tmp, final)
-        durable.fsync_dir(storage)
-    except BaseException:
-        durable.remove_tree(tmp)
-        raise
+        run.write_bytes("job.toml", staged, exclusive=True)  # the commit of the staging
+    except FileExistsError:
+        raise RemoteError(f"{run.uri}/job.toml appeared while staging; a run id is never staged twice") from None
     return job, hashlib.sha256(staged).hexdigest()

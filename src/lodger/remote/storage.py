@@ -281,6 +281,18 @@ class Storage:
         self.write_bytes(f"{key}/{MANIFEST}", body)
 
 
+def failures() -> tuple[type[BaseException], ...]:
+    """What a storage call raises when the storage cannot be reached or refuses: StorageError,
+    OSError and, once botocore is loaded, its errors (an unreachable endpoint, bad credentials)."""
+    import sys
+
+    found: list[type[BaseException]] = [StorageError, OSError]
+    botocore = sys.modules.get("botocore.exceptions")
+    if botocore is not None:
+        found.append(botocore.BotoCoreError)
+    return tuple(found)
+
+
 def _s3_filesystem(uri: str, profile: str | None):
     try:
         import s3fs
@@ -288,7 +300,10 @@ def _s3_filesystem(uri: str, profile: str | None):
         raise StorageError(f"storage {uri!r} is on object storage, which needs s3fs: "
                            "pip install 'lodger[remote]'") from None
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    kwargs: dict = {"skip_instance_cache": True, "use_listings_cache": False}
+    # Bounded: `lodger status` syncs remote runs, and an unreachable endpoint must not hang it.
+    kwargs: dict = {"skip_instance_cache": True, "use_listings_cache": False,
+                    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+                                      "retries": {"max_attempts": 3, "mode": "standard"}}}
     if endpoint:
         kwargs["endpoint_url"] = endpoint
     if profile:
@@ -403,5 +418,5 @@ def fetch(storage: Storage, ckpt: StoredCheckpoint, local_root: Path) -> Path:
                                 tmp_prefix=f".tmp-{ckpt.step:08d}-fetch-")
 
 
-__all__ = ["MANIFEST", "Storage", "StorageError", "StoredCheckpoint", "build_manifest", "fetch",
+__all__ = ["MANIFEST", "Storage", "StorageError", "StoredCheckpoint", "build_manifest", "failures", "fetch",
            "list_checkpoints", "manifest_hash", "read_manifest", "verify"]

@@ -1,47 +1,57 @@
 """Bring a remote run's results home: checkpoints, metrics, log, adapter and events (no ray, no torch).
 
-Everything is read from the target's storage folder, which this machine sees. Only committed
-checkpoints that verify against their manifest are copied (through durable.py, like any
-checkpoint); the remote ledger's new events become ``remote_event`` events on the local run, its
-metric rows are stored locally, and the local run's status and step follow the remote one.
-Safe to repeat and to run while the remote job writes: what is half-written is skipped now and
-picked up next time.
+Everything is read through the run's storage (``storage.py``: a shared folder or a bucket).
+Only committed checkpoints whose every byte verifies against their manifest are copied (a
+checkpoint without a complete, verifying manifest does not exist). The remote side's news comes
+from its hash-chained event log (``eventlog.py``), never from a remote database: each record must
+continue the chain this machine holds (the ledger head recorded at submission, then the last
+record taken, kept in the run's ``remote_seq`` and ``remote_log_hash``); its events become
+``remote_event`` events on the local run, its metric rows are stored locally, and the local run's
+status and step follow the remote one. Safe to repeat and to run while the remote job writes:
+what is half-written is skipped now and picked up next time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
-import stat
 import tomllib
 from pathlib import Path
 
 from .. import durable
-from ..checkpoint import MANIFEST, CheckpointStore
-from ..errors import CheckpointError, RunNotFound
+from ..checkpoint import CheckpointStore
+from ..errors import CheckpointError
 from ..home import run_dir
-from . import RemoteError, remote_home, remote_info, remote_run_dir
+from . import RemoteError, remote_info, run_key, run_storage
+from .eventlog import ChainError, EventLog
+from .storage import MANIFEST, StorageError, StoredCheckpoint, failures, fetch, list_checkpoints, verify
 
 STICKY = ("cancelled",)  # local decisions the remote side's later events do not overturn
+GENESIS = "0" * 64
 
 
 def sync(ledger, run: dict) -> dict:
     """Copy what is new from storage into the local run and ledger; return the updated run row.
 
-    Raises RemoteError, and copies nothing, when the job in storage is not the one submitted."""
+    Raises RemoteError, and copies nothing, when the job in storage is not the one submitted or
+    the event log does not continue the chain recorded here."""
     staged = staged_job(run)
-    source, local = remote_run_dir(run), run_dir(run["id"])
-    if not source.is_dir():
-        return run  # the remote worker has not created its run yet
-    local.mkdir(exist_ok=True)
-    keep = _keep_last(staged if staged is not None else _read(source / "job.toml"))
-    copied = _sync_checkpoints(source / "checkpoints", local / "checkpoints", keep)
-    for name in ("metrics.jsonl", "log.txt", "provenance.json"):
-        _mirror_file(source / name, local / name)
-    _mirror_adapter(source / "adapter", local / "adapter")
-    _ingest_ledger(ledger, run, copied)
+    store = run_storage(run)
+    key, local = run_key(run["id"]), run_dir(run["id"])
+    try:
+        records = _new_records(store, run)
+        if not store.exists(key) and not records:
+            return run  # the remote worker has not created its run yet
+        local.mkdir(exist_ok=True)
+        keep = _keep_last(staged if staged is not None else _read(store, "job.toml"))
+        copied = _sync_checkpoints(store, f"{key}/checkpoints", local / "checkpoints", keep)
+        for name in ("metrics.jsonl", "log.txt", "provenance.json", "control/state.json"):
+            _mirror_file(store, f"{key}/{name}", local / name)
+        _mirror_adapter(store, f"{key}/adapter", local / "adapter")
+    except failures() as exc:
+        raise RemoteError(f"{remote_info(run)['dir']}: storage cannot be read now ({exc}); nothing was "
+                          "taken from it, try again once it is reachable") from None
+    _ingest(ledger, run, records, copied)
     return ledger.run(run["id"])
 
 
@@ -52,24 +62,26 @@ def staged_job(run: dict) -> bytes | None:
     wanted = info.get("job_sha256")
     if wanted is None:
         return None
-    path = Path(info["dir"]) / "job.toml"
+    where = f"{info['dir']}/job.toml"
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise RemoteError(f"{path}: cannot read the job run {run['id']} was submitted with ({exc.strerror}); "
-                          "lodger copies nothing from this storage folder until it is back") from None
+        data = run_storage(run).read_bytes("job.toml")
+    except failures() as exc:
+        raise RemoteError(f"{where}: cannot read the job run {run['id']} was submitted with ({exc}); "
+                          "lodger copies nothing from this storage until it is back") from None
     got = hashlib.sha256(data).hexdigest()
     if got != wanted:
-        raise RemoteError(f"{path}: sha256 {got} is not the {wanted} recorded when run {run['id']} was submitted: "
+        raise RemoteError(f"{where}: sha256 {got} is not the {wanted} recorded when run {run['id']} was submitted: "
                           "the job was changed in storage, so lodger copies nothing from it and resubmits "
-                          "nothing; inspect the folder, then `lodger cancel` the run and submit the job again")
+                          "nothing; inspect it, then `lodger cancel` the run and submit the job again")
     return data
 
 
-def _read(path: Path) -> bytes | None:
+def _read(store, key: str) -> bytes | None:
     try:
-        return path.read_bytes()
-    except OSError:
+        return store.read_bytes(key)
+    except FileNotFoundError:
+        return None
+    except StorageError:  # a local symlink or FIFO: never followed
         return None
 
 
@@ -83,58 +95,31 @@ def _keep_last(staged: bytes | None) -> int:
         return CheckpointConfig().keep_last
 
 
-def _sync_checkpoints(remote_root: Path, local_root: Path, keep_last: int) -> list[str]:
-    """Copy committed remote checkpoints that verify and are not here yet; prune like the run does."""
-    if not remote_root.is_dir():
+def _sync_checkpoints(store, prefix: str, local_root: Path, keep_last: int) -> list[str]:
+    """Copy the newest committed remote checkpoints that verify and are not here yet; prune like
+    the run does. A folder without a verifying manifest is not listed; one whose bytes do not
+    match its manifest is not copied (``storage.fetch`` writes nothing then)."""
+    found = list_checkpoints(store, prefix)[:keep_last]
+    if not found:
         return []
-    remote = CheckpointStore.__new__(CheckpointStore)  # read-only view: never create folders in storage
-    remote.root, remote.keep_last, remote.world_size = remote_root, keep_last, 1
-    store = CheckpointStore(local_root, keep_last)
-    store.clean_stale()
-    have = {step for step, _ in store.committed()}
+    local_root.mkdir(exist_ok=True)
+    local = CheckpointStore(local_root, keep_last)
+    local.clean_stale()
+    have = {step for step, _ in local.committed()}
     copied = []
-    for step, path in reversed(remote.committed()[:keep_last]):
-        if step in have:
+    for ckpt in reversed(found):
+        if ckpt.step in have:
             continue
         try:
-            ckpt = remote.load(path)  # every file checked against the manifest
-            manifest = (path / MANIFEST).read_bytes()
-        except (CheckpointError, OSError):
-            continue  # pruned or written right now: the next sync sees its successor
-        if json.loads(manifest).get("manifest_sha256") != ckpt.manifest.get("manifest_sha256"):
-            continue  # replaced between the two reads
-        tmp = local_root / f".tmp-{step:08d}-sync-{secrets.token_hex(4)}"
-        durable.mkdir(tmp)
-        for name, data in ckpt.files.items():
-            durable.write_file(tmp / name, data)
-        durable.write_file(tmp / MANIFEST, manifest)  # last, as in CheckpointStore.save
-        durable.fsync_dir(tmp)
-        try:
-            durable.rename(tmp, local_root / path.name)
-        except OSError:  # another sync got there first
-            durable.remove_tree(tmp)
-            continue
-        durable.fsync_dir(local_root)
-        copied.append(path.name)
-    store.prune()
+            copied.append(fetch(store, ckpt, local_root).name)
+        except (CheckpointError, StorageError, FileNotFoundError, FileExistsError):
+            continue  # pruned or written right now (or altered): the next sync sees its successor
+    local.prune()
     return copied
 
 
-def _read_regular(path: Path) -> bytes | None:
-    """A plain file's bytes from storage; None for anything else (a FIFO would block us, a symlink
-    would copy whatever it points at on this machine)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return fh.read()
-
-
-def _mirror_file(source: Path, target: Path) -> None:
-    data = _read_regular(source)
+def _mirror_file(store, key: str, target: Path) -> None:
+    data = _read(store, key)  # a local symlink or FIFO is refused by Storage.read_bytes
     if data is None:
         return
     try:
@@ -142,53 +127,71 @@ def _mirror_file(source: Path, target: Path) -> None:
             return
     except OSError:
         pass
+    target.parent.mkdir(exist_ok=True)
     durable.atomic_write(target, data)
 
 
-def _mirror_adapter(source: Path, target: Path) -> None:
-    """The final weights, once the remote run wrote them (its folder appears by an atomic rename)."""
-    if not source.is_dir() or source.is_symlink():
+def _mirror_adapter(store, key: str, target: Path) -> None:
+    """The final weights, once the remote run wrote them: on a shared folder its folder appears by
+    an atomic rename; on object storage it is committed like a checkpoint (manifest last)."""
+    entries = store.entries(key)
+    if not entries:
         return
-    files = {}
-    for path in source.iterdir():
-        data = _read_regular(path) if durable.is_plain_name(path.name) else None
-        if data is not None:
-            files[path.name] = data
+    if store.local:
+        files = {n: d for n, size in entries.items() if size is not None and (d := _read(store, f"{key}/{n}"))
+                 is not None}
+    else:
+        raw = _read(store, f"{key}/{MANIFEST}")
+        if raw is None:
+            return  # not committed yet
+        try:
+            manifest = json.loads(raw)
+            files = verify(store, StoredCheckpoint(step=-1, key=key, manifest=manifest, manifest_bytes=raw))
+        except (ValueError, TypeError, AttributeError, KeyError, CheckpointError):
+            return
+        if any(not durable.is_plain_name(n) or n == MANIFEST for n in files):
+            return
+    if not files:
+        return
     if target.is_dir() and {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()} == files:
         return
     durable.write_folder(target, files, tmp_prefix=".adapter-tmp-", replace=True)
 
 
-def _ingest_ledger(ledger, run: dict, copied: list[str]) -> None:
-    """New remote events and every metric row into the local ledger, with the run's state, at once."""
-    from ..ledger import Ledger
+def _new_records(store, run: dict) -> list[dict]:
+    """The event log's records after the last one taken here, verified to continue it."""
+    anchor = remote_info(run).get("anchor") or GENESIS
+    since, held = run.get("remote_seq") or 0, run.get("remote_log_hash") or anchor
+    log = EventLog(store, "events", run_id=run["id"], anchor=anchor)
+    try:
+        return log.read_new(since, held)
+    except ChainError as exc:
+        raise RemoteError(f"run {run['id']}: {exc}") from None
 
-    path = remote_home(run) / "ledger.db"
-    if not path.is_file() or path.is_symlink():  # e.g. a link to this machine's own ledger
-        return
-    with Ledger(path) as remote:
-        try:
-            remote_run = remote.run(run["id"])
-        except RunNotFound:
-            return
-        events = [e for e in remote.events(run["id"]) if e["seq"] > (run.get("remote_seq") or 0)]
-        metrics = {kind: remote.metrics(run["id"], kind) for kind in ("train", "eval")}
+
+def _ingest(ledger, run: dict, records: list[dict], copied: list[str]) -> None:
+    """The new records' events, metric rows and run state into the local ledger, at once."""
+    state = None
     with ledger.transaction():
-        for e in events:
-            ledger.event(run["id"], "remote_event", remote_kind=e["kind"], data=e["data"], remote_seq=e["seq"],
-                         remote_time=e["time"])
-        for records in metrics.values():
+        for record in records:
+            batch = record["data"] if record["kind"] == "batch" and isinstance(record["data"], dict) else {}
+            for e in batch.get("events", []):
+                ledger.event(run["id"], "remote_event", remote_kind=e["kind"], data=e["data"], remote_seq=e["seq"],
+                             remote_time=e["time"], log_seq=record["seq"])
             by_segment: dict[int, list[dict]] = {}
-            for r in records:
-                by_segment.setdefault(r.pop("segment"), []).append(r)
+            for r in batch.get("metrics", []):
+                r = dict(r)
+                by_segment.setdefault(int(r.pop("segment")), []).append(r)
             for segment, rows in by_segment.items():
                 ledger.add_metrics(run["id"], segment, rows)
+            state = batch.get("run", state)
         if copied:
             ledger.event(run["id"], "remote_checkpoints_synced", checkpoints=copied)
-        fields = {"step": remote_run["step"], "loss": remote_run["loss"], "segment": remote_run["segment"],
-                  "total_steps": remote_run["total_steps"]}
-        if events:
-            fields["remote_seq"] = events[-1]["seq"]
-            if run["status"] not in STICKY:
-                fields["status"] = remote_run["status"]
+        fields: dict = {}
+        if state:
+            fields = {k: state[k] for k in ("step", "loss", "segment", "total_steps") if k in state}
+            if run["status"] not in STICKY and state.get("status"):
+                fields["status"] = state["status"]
+        if records:
+            fields.update(remote_seq=records[-1]["seq"], remote_log_hash=records[-1]["hash"])
         ledger.update_run(run["id"], **fields)

@@ -1,16 +1,137 @@
-"""The remote side: what `lodger _remote_worker` does inside a Ray job.
+"""The remote side: what a Ray job runs (``python -m lodger.remote.worker RUN RUN_URI SUBMISSION``).
 
-It runs with LODGER_HOME set to ``<storage>/<run_id>/home`` (its own ledger and run folder) and
-trains with exactly the local code path: the first start creates the run under the local run's
-id, every later start resumes it from its newest good checkpoint.
+Two processes. The *worker* (this module's ``main``) prepares a home, starts the *training
+process* (the very same lodger training: ``start``), and while it runs pushes its news into the
+run's storage (``mirror.py``) and rewrites a heartbeat (``heartbeat.py``); when the training
+process ends, however it ends (finished, paused, killed), it pushes once more and exits with its
+code. SIGTERM and SIGINT are passed on to the training process (it commits a checkpoint).
+
+On a shared folder the home is ``<storage>/<run_id>/home``, as the owner's machine sees it. On
+object storage the home is a scratch folder on the node, filled from the bucket each time: the
+staged job, data and model, and, to resume, the newest checkpoint that verifies with the run's
+metrics and log. Endpoint and credentials come from the environment (the usual AWS variables
+forwarded by the backend); nothing secret is written by the worker.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
+SCRATCH_ENV = "LODGER_WORKER_SCRATCH"  # where a node keeps runs' scratch homes (default: the temp dir)
+PUSH_SECONDS = 1.0  # how often news goes out: one small PUT at most, only when something changed
+FORWARDED = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION",
+             "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
+
+def entrypoint(info: dict, run_id: str, submission_id: str) -> list[str]:
+    """The command a backend runs for a submission."""
+    return [info["python"], "-m", "lodger.remote.worker", run_id, str(info["dir"]), submission_id]
+
+
+def worker_env(info: dict) -> dict[str, str]:
+    """What the job's environment needs beyond the backend's own: on object storage the endpoint,
+    profile name, region and this machine's credentials as they are in its environment (never a
+    file; nothing of it is written to the ledger or to storage)."""
+    from urllib.parse import urlparse
+
+    if urlparse(str(info["dir"])).scheme in ("", "file"):
+        return {}
+    return {name: os.environ[name] for name in FORWARDED if os.environ.get(name)}
+
+
+# -- the worker ----------------------------------------------------------------------------------
+def main(run_id: str, run_uri: str, submission_id: str) -> int:
+    from . import heartbeat
+    from .eventlog import EventLog
+    from .mirror import Mirror, download_tree
+    from .storage import Storage
+
+    store = Storage.open(run_uri)
+    if store.local:
+        root = Path(store.root)
+    else:
+        root = Path(os.environ.get(SCRATCH_ENV) or tempfile.gettempdir()) / "lodger-worker" / run_id
+        _fresh(root)
+        store.get_file("job.toml", root / "job.toml")
+        for prefix in ("data", "model"):
+            download_tree(store, prefix, root / prefix)
+    home = root / "home"
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)  # a lodger home is owner-only
+    anchor = json.loads(store.read_bytes("chain_head.json"))["hash"]
+    log = EventLog(store, "events", run_id=run_id, anchor=anchor)
+    mirror = Mirror(store, home, run_id, submission_id, log)
+    beats = heartbeat.read_all(store)
+    segment = max((b for b in _segments(store, beats)), default=None)
+    env = {**os.environ, "LODGER_HOME": str(home),
+           heartbeat.PRIOR_ENV: repr(sum(v for k, v in beats.items() if k != submission_id))}
+    if store.local or segment is None:  # the CLI's worker: crash log in the run, Ray Train for nodes > 1
+        command = ["-m", "lodger.cli.main", "_remote_worker", run_id, str(root / "job.toml")]
+    else:
+        command = ["-m", "lodger.remote.worker", "--train", run_id, str(root / "job.toml"), run_uri, str(segment)]
+    child = subprocess.Popen([sys.executable, *command], env=env)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    started, every, last_beat = time.monotonic(), heartbeat.interval(), float("-inf")
+    while True:
+        try:
+            code = child.wait(timeout=PUSH_SECONDS)
+        except subprocess.TimeoutExpired:
+            code = None
+        now = time.monotonic()
+        if code is not None or now - last_beat >= every:
+            heartbeat.write(store, submission_id, now - started, segment=mirror.state and mirror.state["segment"],
+                            ended=code is not None)
+            last_beat = now
+        try:
+            mirror.push()
+        except Exception as exc:  # noqa: BLE001 - storage hiccups: the next push carries it all
+            print(f"lodger worker: push to {store.uri} failed ({exc}); retrying", file=sys.stderr, flush=True)
+            if code is not None:
+                raise
+        if code is not None:
+            heartbeat.write(store, submission_id, time.monotonic() - started,
+                            segment=mirror.state and mirror.state["segment"], ended=True)
+            if not store.local:  # everything is in the bucket; the node keeps no copy of the data
+                from .. import durable
+
+                durable.remove_tree(root)
+            return code if code >= 0 else 128 - code
+
+
+def _segments(store, beats: dict) -> list[int]:
+    """The segments earlier submissions reached (their heartbeats say), for a resume on a fresh home."""
+    from .heartbeat import PREFIX
+
+    found = []
+    for name in beats:
+        try:
+            segment = json.loads(store.read_bytes(f"{PREFIX}/{name}.json")).get("segment")
+        except (OSError, ValueError):
+            continue
+        if type(segment) is int and segment >= 0:
+            found.append(segment)
+    return found
+
+
+def _fresh(root: Path) -> None:
+    from .. import durable
+
+    if root.exists():
+        durable.remove_tree(root)
+    root.mkdir(parents=True, mode=0o700)
+
+
+# -- the training process ------------------------------------------------------------------------
 def start(run_id: str, job_path: Path) -> str:
+    """Train in this home: the first start creates the run under the local run's id, every later
+    start (on a shared folder, where the home persists) resumes it from its newest good checkpoint."""
     from .. import durable
     from ..errors import RunNotFound
     from ..home import run_dir
@@ -29,3 +150,31 @@ def start(run_id: str, job_path: Path) -> str:
         durable.remove_tree(run_dir(run_id))
     run_id, prepared = create_run(job_path, run_id=run_id, managed=True)
     return execute(run_id, prepared, resuming=False, quiet=True)
+
+
+def resume_fresh(run_id: str, job_path: Path, run_uri: str, segment: int) -> str:
+    """Resume on a fresh home: create the run, put the newest verifying checkpoint (and the
+    metrics and log) from storage into it, and resume as a new segment after ``segment``."""
+    from ..home import run_dir
+    from ..ledger import Ledger
+    from ..run import create_run, execute
+    from .mirror import seed
+    from .storage import Storage
+
+    run_id, prepared = create_run(job_path, run_id=run_id, managed=True)
+    seed(Storage.open(run_uri), run_id, run_dir(run_id))
+    with Ledger() as ledger:
+        ledger.update_run(run_id, segment=segment)
+    return execute(run_id, prepared, resuming=True, quiet=True)
+
+
+def _train(run_id: str, job_path: str, run_uri: str, segment: str) -> int:
+    resume_fresh(run_id, Path(job_path), run_uri, int(segment))
+    return 0
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args[:1] == ["--train"]:
+        sys.exit(_train(*args[1:5]))
+    sys.exit(main(*args[:3]))

@@ -4,7 +4,8 @@
 enforced by the remote job itself: the cluster is not ours to watch, so the training process
 checks its own wall time, GPU hours and cost at every micro-step and, at a limit, commits a
 checkpoint and stops (the same path as [limits] max_compute_hours: a "limit" release request,
-exit 3). Wall time counts every segment of the run, so a resumed job gets no fresh allowance.
+exit 3). Wall time counts every segment of the run, so a resumed job gets no fresh allowance:
+those recorded in the ledger and, through heartbeats in storage, those killed without a word.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..control import Control, write_request
 
 REMOTE_ENV = "LODGER_REMOTE"                  # "1" in a job started on a remote target
 COST_ENV = "LODGER_COST_PER_GPU_HOUR"         # the target's price, passed along with the job
+PRIOR_WALL_ENV = "LODGER_PRIOR_WALL_SECONDS"  # earlier submissions' wall time, from their heartbeats
 
 
 def running_remotely() -> bool:
@@ -33,6 +35,7 @@ class RemoteLimits:
     cost: float | None
     gpus: int                 # GPUs in use by the job (0 on the CPU)
     cost_per_gpu_hour: float
+    prior_wall_seconds: float = 0.0  # every earlier submission, killed ones included (remote/heartbeat.py)
 
     @classmethod
     def for_this_process(cls, remote, device: str, world_size: int) -> "RemoteLimits | None":
@@ -41,8 +44,12 @@ class RemoteLimits:
                                       and remote.cost is None):
             return None
         price = float(os.environ.get(COST_ENV) or 0.0)
+        try:
+            prior = max(0.0, float(os.environ.get(PRIOR_WALL_ENV) or 0.0))
+        except ValueError:
+            prior = 0.0
         return cls(remote.wall_hours, remote.gpu_hours, remote.cost,
-                   world_size if device == "cuda" else 0, price)
+                   world_size if device == "cuda" else 0, price, prior)
 
     def measure(self, wall_seconds: float) -> dict:
         gpu_hours = wall_seconds / 3600 * self.gpus
@@ -126,7 +133,8 @@ class LimitWatch:
             self._reached(f"compute limit of {self.compute_limit / 3600:g} CPU hours reached; raise "
                           "[limits] max_compute_hours to continue")
         if self.remote:
-            wall = self.prior_wall_seconds + time.time() - self.meter.wall0
+            # The ledger knows segments that ended cleanly; heartbeats also those killed without a word.
+            wall = max(self.prior_wall_seconds, self.remote.prior_wall_seconds) + time.time() - self.meter.wall0
             reason = self.remote.reached(wall)
             if reason:
                 self._reached(reason, **self.remote.measure(wall))
