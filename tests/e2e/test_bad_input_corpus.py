@@ -9,7 +9,7 @@ mistake is not a bug), and write nothing: no run folder, no new rows in the ledg
 Most cases fail before any model loads, so they are plain subprocesses. The few that need a
 trained run (damaged checkpoints, which resume reports and falls back from; resumes refused for
 what changed since, resume's memory pre-flight included) share one tiny run, killed while writing
-its third checkpoint, trained once for this module. The last tests cover what lodger did not
+its eighth checkpoint, trained once for this module. The last tests cover what lodger did not
 foresee: one line naming a crash log, in the foreground and from a background worker.
 """
 
@@ -667,21 +667,24 @@ def test_bad_input_is_refused_by_name_with_nothing_written(name, tmp_path, lodge
 
 # -- checkpoints and resume: one tiny killed run, shared -------------------------------------------------
 
-TINY = dict(steps=8, batch_size=2, grad_accum=1, every_steps=2, keep_last=3, threads=1, max_length=48,
+TINY = dict(steps=16, batch_size=2, grad_accum=1, every_steps=2, keep_last=7, threads=1, max_length=48,
             dropout=0.0, eval_every=None)
+KILLED_AT = "before_manifest@8"
+"""Where the shared tiny run dies: writing its eighth checkpoint (step 16), with steps 2 to 14 committed:
+one good checkpoint and one for each damage (see the damaged-checkpoint test)."""
 
 
 @pytest.fixture(scope="module")
 def tiny_killed_run(tmp_path_factory, tiny_model_dir: Path) -> tuple[Path, str]:
-    """(home, run id) of a tiny run SIGKILLed while writing its third checkpoint: step 2 and 4 committed."""
+    """(home, run id) of a tiny run SIGKILLed while writing its eighth checkpoint: steps 2, 4, ..., 14 committed."""
     folder = tmp_path_factory.mktemp("corpus_run")
     job = write_job(folder / "job.toml", model=tiny_model_dir, train=write_chat_jsonl(folder / "train.jsonl", 16, seed=0),
                     **TINY)
     home = folder / "home"
-    result = run_lodger(["run", job, "--quiet"], lodger_env(home, LODGER_FAULT="before_manifest@3"))
+    result = run_lodger(["run", job, "--quiet"], lodger_env(home, LODGER_FAULT=KILLED_AT))
     assert killed_by_sigkill(result.returncode), describe(result)
     run_id = result.stdout.splitlines()[0].split()[1]
-    assert checkpoint_dirs(home / "runs" / run_id) == ["step-00000002", "step-00000004"]
+    assert checkpoint_dirs(home / "runs" / run_id) == [f"step-{s:08d}" for s in range(2, 15, 2)]
     return home, run_id
 
 
@@ -783,20 +786,26 @@ RESUME_REFUSALS = {f.__name__.lstrip("_"): f for f in (_memory_limit_lowered_sin
                                                         _model_changed_since, _job_file_damaged, _job_file_deleted)}
 
 
-@pytest.mark.parametrize("damage", sorted(DAMAGES))
-def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_the_previous_one_used(damage, tiny_killed_run,
-                                                                                      lodger_home):
+def test_each_damaged_checkpoint_is_named_moved_aside_and_the_newest_good_one_used(tiny_killed_run, lodger_home):
+    """One resume meets every damage: each of the six newest checkpoints carries one, and resume names
+    each (with its reason), moves it aside and falls back past it, down to the one undamaged checkpoint.
+    (Each damage used to cost a resume of its own; `latest_good` walks the same path for each.)"""
     src, run_id = tiny_killed_run
     shutil.copytree(src, lodger_home, dirs_exist_ok=True)
     checkpoints = lodger_home / "runs" / run_id / "checkpoints"
-    reason = DAMAGES[damage](checkpoints / "step-00000004")
+    good, *damaged = checkpoint_dirs(lodger_home / "runs" / run_id)
+    assert len(damaged) == len(DAMAGES)
+    reasons = {step: DAMAGES[name](checkpoints / step) for name, step in zip(sorted(DAMAGES), damaged)}
     result = run_lodger(["resume", run_id], lodger_env(lodger_home))
     assert result.returncode == 0, describe(result)
     out = result.stdout + result.stderr
     assert "Traceback" not in out, describe(result)
-    assert "checkpoint step-00000004 is damaged" in out and reason in out, describe(result)
-    assert "restored checkpoint step-00000002" in out, describe(result)
-    assert [p.name for p in checkpoints.glob("damaged-step-00000004-*")], "the damaged checkpoint was not moved aside"
+    lines = out.splitlines()
+    for step, reason in reasons.items():
+        said = [line for line in lines if f"checkpoint {step} is damaged" in line]
+        assert len(said) == 1 and reason in said[0], f"{step}: {reason!r} not named\n{describe(result)}"
+        assert [p.name for p in checkpoints.glob(f"damaged-{step}-*")], f"the damaged {step} was not moved aside"
+    assert f"restored checkpoint {good}" in out, describe(result)
     assert not (lodger_home / "logs").exists(), "a damaged checkpoint is expected, not a crash"
 
 
