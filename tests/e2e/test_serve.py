@@ -548,7 +548,7 @@ def test_a_server_that_dies_while_holding_does_not_hold_training_forever(guarded
         server.proc.wait(timeout=60)
         result = run_lodger(["resume", detach.run_id()], env)
         assert result.returncode == 0, describe(result)
-        wait_until(lambda: run_state(folder).get("state") == "running", 8,
+        wait_until(lambda: run_state(folder).get("state") == "running", 60,
                    what="the run to continue once its holder is gone")
     finally:
         stop_training(folder)
