@@ -102,3 +102,19 @@ def killed_run(_killed_home, lodger_home: Path) -> tuple[str, Path]:
     src, run_id = _killed_home
     shutil.copytree(src, lodger_home, dirs_exist_ok=True)
     return run_id, lodger_home / "runs" / run_id
+
+
+@pytest.fixture(scope="session")
+def baseline_server(baseline, tmp_path_factory):
+    """(server, run id, home): `lodger serve --run BASELINE` (token, yielding) on a copy of the
+    baseline's home, shared by test_serve.py and test_serve_openai.py. Their tests only send requests
+    (and `lodger chat` reads the home), so sharing costs them nothing but a server start each."""
+    from serve_helpers import start_server
+
+    home = tmp_path_factory.mktemp("served_home")
+    shutil.copytree(baseline.home, home, dirs_exist_ok=True)
+    env = lodger_env(home)
+    env.pop("LODGER_API_TOKEN", None)
+    server = start_server(["--run", baseline.run_id], env, tmp_path_factory.mktemp("served_logs"))
+    yield server, baseline.run_id, home
+    server.close()

@@ -122,8 +122,9 @@ class Running:
     def stderr(self) -> str:
         return self.err.read_text(errors="replace")
 
-    def run_id(self, timeout: float = 120) -> str:
-        """The id from the first stdout line (`run <id>`), once the process has printed it."""
+    def run_id(self, timeout: float = 300) -> str:
+        """The id from the first stdout line (`run <id>`), once the process has printed it (a bounded wait:
+        on a loaded machine `lodger run` took over 120 s to print it once)."""
         if self._run_id is None:
             first = wait_until(lambda: _first_line(self.out), timeout, self.proc,
                                what="the `run <id>` line", output=self)

@@ -6,18 +6,24 @@ contain: the file, key or line at fault and the fix. Each must exit non-zero wit
 click's own `Error:` for a usage mistake), print no traceback, leave no crash log (an expected
 mistake is not a bug), and write nothing: no run folder, no new rows in the ledger.
 
-Most cases fail before any model loads, so they are plain subprocesses. The few that need a
+Most cases fail before any model loads: each runs in a process of its own, forked from one that
+imported the CLI once (tests/e2e/cli_driver.py), so that a refusal does not pay for an interpreter
+start and the imports; every other test here runs the `lodger` script itself. The few that need a
 trained run (damaged checkpoints, which resume reports and falls back from; resumes refused for
 what changed since, resume's memory pre-flight included) share one tiny run, killed while writing
-its third checkpoint, trained once for this module. The last tests cover what lodger did not
+its eighth checkpoint, trained once for this module. The last tests cover what lodger did not
 foresee: one line naming a crash log, in the foreground and from a background worker.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
+import subprocess
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,6 +34,7 @@ from fixtures_lib import write_chat_jsonl
 from helpers import checkpoint_dirs, describe, killed_by_sigkill, lodger_env, run_lodger, wait_until, write_job
 
 LEDGER_TABLES = ("runs", "events", "datasets", "queue", "metrics", "provenance")
+DRIVER = Path(__file__).resolve().parent / "cli_driver.py"
 
 
 @dataclass
@@ -642,46 +649,101 @@ def model_variants(tmp_path_factory, tiny_model_dir: Path) -> dict[str, Path]:
     return out
 
 
+@dataclass
+class Refusal:
+    """A case, prepared in a home of its own, and what its command did."""
+
+    world: World
+    args: list[str]
+    culprits: list[str]
+    rows: dict[str, int]  # ledger rows per table before the command
+    runs: list[str]       # run folders before the command
+    files: dict[Path, bytes]  # config.toml and targets.toml before the command
+    result: subprocess.CompletedProcess | None = None
+
+
+@contextmanager
+def _home_is(home: Path):
+    """LODGER_HOME for what a case prepares in-process (a ledger row), while the module's cases are set up."""
+    saved = os.environ.get("LODGER_HOME")
+    os.environ["LODGER_HOME"] = str(home)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LODGER_HOME", None)
+        else:
+            os.environ["LODGER_HOME"] = saved
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory, tiny_model_dir: Path, model_variants) -> dict[str, Refusal]:
+    """Every case of CASES prepared in its own folder and home, then its command run as `lodger ARGS`
+    in a process of its own. The processes are forked by tests/e2e/cli_driver.py from one that imported
+    the CLI once: a refusal costs a fork instead of an interpreter start and the imports (the
+    usage-error tests below and every other test run the `lodger` script itself)."""
+    root = tmp_path_factory.mktemp("refusals")
+    prepared: dict[str, Refusal] = {}
+    for n, name in enumerate(sorted(CASES)):
+        folder = root / f"{n:03d}"
+        home, work, data = folder / "lodger_home", folder / "case", folder / "data"
+        home.mkdir(parents=True, mode=0o700)
+        work.mkdir()
+        world = World(work, home, tiny_model_dir, model_variants, write_chat_jsonl(data / "train.jsonl", 16, seed=0),
+                      write_chat_jsonl(data / "eval.jsonl", 4, seed=1), lodger_env(home))
+        with _home_is(home):
+            args, culprits = CASES[name](world)
+        files = {p: p.read_bytes() for p in (home / "config.toml", home / "targets.toml") if p.is_file()}
+        prepared[name] = Refusal(world, [str(a) for a in args], culprits, ledger_counts(home), run_folders(home),
+                                 files)
+    cases = [{"args": r.args, "env": r.world.env, "cwd": str(r.world.tmp), "stdout": str(r.world.tmp.parent / "out"),
+              "stderr": str(r.world.tmp.parent / "err")} for r in prepared.values()]
+    (root / "cases.json").write_text(json.dumps(cases))
+    driver = subprocess.run([sys.executable, str(DRIVER), str(root / "cases.json")], env=lodger_env(root / "unused"),
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=1800)
+    assert driver.returncode == 0, describe(driver)
+    codes = json.loads(driver.stdout.strip().splitlines()[-1])
+    assert len(codes) == len(prepared), describe(driver)
+    for refusal, case, code in zip(prepared.values(), cases, codes):
+        refusal.result = subprocess.CompletedProcess(["lodger", *case["args"]], code,
+                                                     Path(case["stdout"]).read_text(errors="replace"),
+                                                     Path(case["stderr"]).read_text(errors="replace"))
+    return prepared
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_is_refused_by_name_with_nothing_written(name, tmp_path, lodger_home, tiny_model_dir,
-                                                           model_variants):
-    work = tmp_path / "case"
-    work.mkdir()
-    data = tmp_path / "data"
-    world = World(work, lodger_home, tiny_model_dir, model_variants,
-                  write_chat_jsonl(data / "train.jsonl", 16, seed=0), write_chat_jsonl(data / "eval.jsonl", 4, seed=1),
-                  lodger_env(lodger_home))
-    args, culprits = CASES[name](world)
-    before_rows, before_runs = ledger_counts(lodger_home), run_folders(lodger_home)
-    files_before = {p: p.read_bytes() for p in (lodger_home / "config.toml", lodger_home / "targets.toml")
-                    if p.is_file()}
-    result = run_lodger(args, world.env, cwd=work)
-    assert_clean_refusal(result, culprits, lodger_home)
-    assert run_folders(lodger_home) == before_runs, "a refused command left a run folder behind"
-    after_rows = ledger_counts(lodger_home)
-    assert {t: n for t, n in after_rows.items() if n} == {t: n for t, n in before_rows.items() if n}, \
-        f"a refused command wrote ledger rows: {before_rows} -> {after_rows}"
-    for path, content in files_before.items():
+def test_bad_input_is_refused_by_name_with_nothing_written(name, refusals):
+    refusal = refusals[name]
+    home, result = refusal.world.home, refusal.result
+    assert_clean_refusal(result, refusal.culprits, home)
+    assert run_folders(home) == refusal.runs, "a refused command left a run folder behind"
+    after_rows = ledger_counts(home)
+    assert {t: n for t, n in after_rows.items() if n} == {t: n for t, n in refusal.rows.items() if n}, \
+        f"a refused command wrote ledger rows: {refusal.rows} -> {after_rows}"
+    for path, content in refusal.files.items():
         assert path.read_bytes() == content, f"{path} was changed by a refused command"
 
 
 # -- checkpoints and resume: one tiny killed run, shared -------------------------------------------------
 
-TINY = dict(steps=8, batch_size=2, grad_accum=1, every_steps=2, keep_last=3, threads=1, max_length=48,
+TINY = dict(steps=16, batch_size=2, grad_accum=1, every_steps=2, keep_last=7, threads=1, max_length=48,
             dropout=0.0, eval_every=None)
+KILLED_AT = "before_manifest@8"
+"""Where the shared tiny run dies: writing its eighth checkpoint (step 16), with steps 2 to 14 committed:
+one good checkpoint and one for each damage (see the damaged-checkpoint test)."""
 
 
 @pytest.fixture(scope="module")
 def tiny_killed_run(tmp_path_factory, tiny_model_dir: Path) -> tuple[Path, str]:
-    """(home, run id) of a tiny run SIGKILLed while writing its third checkpoint: step 2 and 4 committed."""
+    """(home, run id) of a tiny run SIGKILLed while writing its eighth checkpoint: steps 2, 4, ..., 14 committed."""
     folder = tmp_path_factory.mktemp("corpus_run")
     job = write_job(folder / "job.toml", model=tiny_model_dir, train=write_chat_jsonl(folder / "train.jsonl", 16, seed=0),
                     **TINY)
     home = folder / "home"
-    result = run_lodger(["run", job, "--quiet"], lodger_env(home, LODGER_FAULT="before_manifest@3"))
+    result = run_lodger(["run", job, "--quiet"], lodger_env(home, LODGER_FAULT=KILLED_AT))
     assert killed_by_sigkill(result.returncode), describe(result)
     run_id = result.stdout.splitlines()[0].split()[1]
-    assert checkpoint_dirs(home / "runs" / run_id) == ["step-00000002", "step-00000004"]
+    assert checkpoint_dirs(home / "runs" / run_id) == [f"step-{s:08d}" for s in range(2, 15, 2)]
     return home, run_id
 
 
@@ -783,20 +845,26 @@ RESUME_REFUSALS = {f.__name__.lstrip("_"): f for f in (_memory_limit_lowered_sin
                                                         _model_changed_since, _job_file_damaged, _job_file_deleted)}
 
 
-@pytest.mark.parametrize("damage", sorted(DAMAGES))
-def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_the_previous_one_used(damage, tiny_killed_run,
-                                                                                      lodger_home):
+def test_each_damaged_checkpoint_is_named_moved_aside_and_the_newest_good_one_used(tiny_killed_run, lodger_home):
+    """One resume meets every damage: each of the six newest checkpoints carries one, and resume names
+    each (with its reason), moves it aside and falls back past it, down to the one undamaged checkpoint.
+    (Each damage used to cost a resume of its own; `latest_good` walks the same path for each.)"""
     src, run_id = tiny_killed_run
     shutil.copytree(src, lodger_home, dirs_exist_ok=True)
     checkpoints = lodger_home / "runs" / run_id / "checkpoints"
-    reason = DAMAGES[damage](checkpoints / "step-00000004")
+    good, *damaged = checkpoint_dirs(lodger_home / "runs" / run_id)
+    assert len(damaged) == len(DAMAGES)
+    reasons = {step: DAMAGES[name](checkpoints / step) for name, step in zip(sorted(DAMAGES), damaged)}
     result = run_lodger(["resume", run_id], lodger_env(lodger_home))
     assert result.returncode == 0, describe(result)
     out = result.stdout + result.stderr
     assert "Traceback" not in out, describe(result)
-    assert "checkpoint step-00000004 is damaged" in out and reason in out, describe(result)
-    assert "restored checkpoint step-00000002" in out, describe(result)
-    assert [p.name for p in checkpoints.glob("damaged-step-00000004-*")], "the damaged checkpoint was not moved aside"
+    lines = out.splitlines()
+    for step, reason in reasons.items():
+        said = [line for line in lines if f"checkpoint {step} is damaged" in line]
+        assert len(said) == 1 and reason in said[0], f"{step}: {reason!r} not named\n{describe(result)}"
+        assert [p.name for p in checkpoints.glob(f"damaged-{step}-*")], f"the damaged {step} was not moved aside"
+    assert f"restored checkpoint {good}" in out, describe(result)
     assert not (lodger_home / "logs").exists(), "a damaged checkpoint is expected, not a crash"
 
 

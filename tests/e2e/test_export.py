@@ -62,8 +62,8 @@ def greedy(torch, model, n: int = 12):
                               pad_token_id=2)[0, ids.shape[1]:].tolist()
 
 
-def test_merged_and_f32_gguf_equal_lodgers_model_and_the_manifest_holds(home_with_baseline, tiny_model_dir,
-                                                                         tmp_path, torch1):
+def test_merged_and_f32_gguf_equal_lodgers_model_the_manifest_holds_and_a_copy_loads_by_its_card(
+        home_with_baseline, tiny_model_dir, tmp_path, torch1):
     torch = torch1
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,6 +128,7 @@ def test_merged_and_f32_gguf_equal_lodgers_model_and_the_manifest_holds(home_wit
     assert manifest["ledger_head"]["hash"] == before["hash"] and manifest["ledger_head"]["seq"] == before["seq"]
     card = (dest / "README.md").read_text()
     assert "None" not in card and "llama-cli -m gguf/" in card and "ollama create" in card
+    the_copy_loads_by_its_model_card_alone(torch, dest, tmp_path / "elsewhere" / "copy", tiny_model_dir, env, ours)
 
 
 @pytest.mark.parametrize("outtype,matrix_type,tolerance", [("f16", "F16", 2e-3), ("q8_0", "Q8_0", 3e-2)])
@@ -174,14 +175,10 @@ def card_snippets(card: str) -> dict[str, str]:
     return dict(re.findall(r"### ([^\n]+)\n(?:(?!###).)*?```python\n(.*?)```", card, re.S))
 
 
-def test_an_export_copied_to_a_fresh_folder_loads_by_its_model_card_alone(home_with_baseline, tiny_model_dir,
-                                                                          tmp_path, torch1):
-    torch = torch1
-    env, run_id = home_with_baseline
-    dest = tmp_path / "out"
-    result = run_lodger(["export", run_id, dest, "--format", "peft,merged"], env)
-    assert result.returncode == 0, describe(result)
-    fresh = tmp_path / "elsewhere" / "copy"
+def the_copy_loads_by_its_model_card_alone(torch, dest: Path, fresh: Path, tiny_model_dir: Path, env: dict,
+                                           ours) -> None:
+    """An export copied to a fresh folder (and the original gone) loads by its card's snippets alone, as a
+    stranger runs them: no lodger, no $LODGER_HOME. (Part of the test above: one export serves both.)"""
     shutil.copytree(dest, fresh)
     shutil.rmtree(dest)
     card = (fresh / "README.md").read_text()
@@ -189,7 +186,6 @@ def test_an_export_copied_to_a_fresh_folder_loads_by_its_model_card_alone(home_w
     assert adapter["base_model_name_or_path"] == str(tiny_model_dir.resolve())
     assert str(env["LODGER_HOME"]) not in json.dumps(adapter)
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (fresh / "peft").iterdir()}
-    ours = lodger_logits(torch, Path(env["LODGER_HOME"]) / "runs" / run_id, tiny_model_dir)
     snippets = card_snippets(card)
     assert len(snippets) == 2, card
     for heading, code in snippets.items():

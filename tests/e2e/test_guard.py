@@ -37,21 +37,20 @@ def run_poisoned(tmp_path: Path, tiny_model_dir: Path, steps: list[int], total: 
     return result, run_id, run_dir_of(run_id, env), env
 
 
-def test_a_poisoned_step_is_skipped_without_changing_any_weight(tmp_path, tiny_model_dir):
-    result, run_id, folder, env = run_poisoned(tmp_path, tiny_model_dir, [6], total=8)
-    assert result.returncode == 0, describe(result)
-    records = {r["step"]: r for r in read_metrics(folder) if r["kind"] == "train"}
-    assert records[6].get("skipped") and not math.isfinite(records[6]["loss"])
-    assert all(not records[s].get("skipped") for s in records if s != 6)
-    warnings = [e["data"] for e in show(run_id, env)["events"] if e["kind"] == "warning"]
-    assert len(warnings) == 1 and warnings[0]["step"] == 6 and warnings[0]["sample_lines"]
-    assert set(warnings[0]["sample_lines"]) <= set(lines_of_steps([6]))
-
-
-def test_a_skipped_step_leaves_the_adapter_exactly_as_it_was(tmp_path, tiny_model_dir):
-    """Steps 7 and 8 poisoned (two in a row: below the rollback threshold of 3)."""
+def test_poisoned_steps_are_skipped_named_and_leave_the_adapter_exactly_as_it_was(tmp_path, tiny_model_dir):
+    """Steps 7 and 8 poisoned (two in a row: below the rollback threshold of 3). Each is skipped with
+    its non-finite loss and one warning naming lines it drew; the final adapter is the state after step 6.
+    (One run for what were two tests, of one poisoned step and of two.)"""
     result, run_id, folder, env = run_poisoned(tmp_path, tiny_model_dir, [7, 8], total=8)
     assert result.returncode == 0, describe(result)
+    records = {r["step"]: r for r in read_metrics(folder) if r["kind"] == "train"}
+    for step in (7, 8):
+        assert records[step].get("skipped") and not math.isfinite(records[step]["loss"]), records[step]
+    assert all(not records[s].get("skipped") for s in records if s not in (7, 8))
+    warnings = [e["data"] for e in show(run_id, env)["events"] if e["kind"] == "warning"]
+    assert [w["step"] for w in warnings] == [7, 8], warnings
+    for warning in warnings:
+        assert warning["sample_lines"] and set(warning["sample_lines"]) <= set(lines_of_steps([warning["step"]]))
     # steps 5 and 6 update, 7 and 8 are skipped: the final adapter equals the state after step 6,
     # which is what the checkpoint of a run stopped after 6 steps holds
     short = write_job(tmp_path / "short.toml", model=tiny_model_dir, train=tmp_path / "train.jsonl", steps=8,

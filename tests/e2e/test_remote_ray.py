@@ -63,38 +63,91 @@ def ray_head():
     saved = {k: os.environ.get(k) for k in RAY_ENV}
     os.environ.update(RAY_ENV)
     ray = str(Path(sys.executable).with_name("ray"))
-    started = subprocess.run(
+    # In a session of its own: every process Ray starts from here is in `ray start`'s process group,
+    # which the teardown ends as a whole (some rename themselves, e.g. ray::DashboardAgent, and no
+    # longer name our temp dir on their command line).
+    starter = subprocess.Popen(
         [ray, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "true",
          "--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(client),
          "--num-cpus", "2", "--temp-dir", str(temp / "ray"), "--disable-usage-stats"],
-        env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=180)
+        env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
     try:
-        assert started.returncode == 0, describe(started)
+        out, err = starter.communicate(timeout=180)
+        assert starter.returncode == 0, f"ray start: exit {starter.returncode}\n{out}\n{err}"
+        # `ray start` returns before the job agent answers; a submission meanwhile gets "No available
+        # agent to submit job" (the head waits only 10 s for it, which a loaded machine exceeds).
+        wait_until(lambda: _answers(f"http://127.0.0.1:{agent}/api/healthz"), 180,
+                   what="the Ray job agent to answer", interval=0.2)
         yield {"address": f"http://127.0.0.1:{dashboard}", "storage": storage}
     finally:
-        # Not `ray stop`: it stops every Ray process of this user on the machine. Ours are the ones
-        # that name our temp dir (the cluster, and jobs whose entrypoint names the storage in it).
-        import psutil
-
-        ours = _processes_mentioning(str(temp))
-        for proc in ours:
-            try:
-                proc.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(ours, timeout=15)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
+        # Not `ray stop`: it stops every Ray process of this user on the machine (another test
+        # session's too). Ours: the process group `ray start` led, whatever names our temp dir (Ray
+        # jobs start their entrypoint in a session of its own, and it names the storage in it), and
+        # every descendant of those (listed before each round of kills: an orphan is reparented).
+        _stop_processes(starter.pid, str(temp))
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _ray_processes(group: int, temp: str) -> list:
+    """Processes of the group ``group`` or naming ``temp``, with all their descendants."""
+    import psutil
+
+    found = {p.pid: p for p in _processes_mentioning(temp)}
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and os.getpgid(proc.pid) == group:
+                found[proc.pid] = proc
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    for proc in list(found.values()):
+        try:
+            found.update({child.pid: child for child in proc.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            continue
+    found.pop(os.getpid(), None)
+    alive = []
+    for proc in found.values():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:  # already dead, waiting for its parent to reap it
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def _stop_processes(group: int, temp: str) -> None:
+    """SIGKILL every process of the cluster (a throwaway one: nothing in it needs a clean shutdown;
+    SIGTERM cost a 15 s wait for a straggler), again until none is left: a process Ray started
+    between the listing and the kill is found in the next round."""
+    import psutil
+
+    for _ in range(10):
+        procs = _ray_processes(group, temp)
+        if not procs:
+            return
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=15)
+    raise AssertionError(f"Ray processes still alive: {[p.pid for p in _ray_processes(group, temp)]}")
 
 
 def _plan(job_path: Path, head: dict):

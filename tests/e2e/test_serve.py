@@ -13,9 +13,10 @@
   test_serve_security.py, test_serve_openai.py and test_chat_terminal.py test the rest of serve.
 
 Servers serve the tiny model: `served` a copy of the session's baseline run (helpers.STANDARD_JOB,
-finished; no training of its own); `guarded` the base model behind --max-queue 1 --token, and the
-runs of its home yield to it (the lease tests); `reloading` follows a run that trains meanwhile
-(--no-yield). The last test SIGKILLs the `guarded` server, so it stays last.
+finished; no training of its own; test_serve_openai.py uses the same server); `guarded` the base
+model behind --max-queue 1 --token, and the runs of its home yield to it (the lease tests);
+`reloading` follows a run that trains meanwhile (--no-yield). The last test SIGKILLs the `guarded`
+server, so it stays last.
 """
 
 from __future__ import annotations
@@ -82,13 +83,9 @@ def stop_training(run_dir: Path, timeout: float = 60) -> None:
 # -- the module's main server: the baseline run's adapter -----------------------------------------
 
 @pytest.fixture(scope="module")
-def served(baseline, tmp_path_factory) -> tuple[Server, str, Path]:
-    """(server, run id, home): `lodger serve --run RUN` on a copy of the baseline's home."""
-    home = tmp_path_factory.mktemp("served_home")
-    shutil.copytree(baseline.home, home, dirs_exist_ok=True)
-    server = start_server(["--run", baseline.run_id], lodger_env(home), tmp_path_factory.mktemp("served_logs"))
-    yield server, baseline.run_id, home
-    server.close()
+def served(baseline_server) -> tuple[Server, str, Path]:
+    """(server, run id, home): `lodger serve --run RUN` on a copy of the baseline's home (conftest)."""
+    return baseline_server
 
 
 def test_openai_client_lists_models_and_gets_chat_and_text_completions(served):
@@ -186,7 +183,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert_error(server.post(chat, {**ok, "n": 2}), 400, param="n")
     assert_error(server.post("/v1/completions", {"model": run_id}), 400, param="prompt")
     assert_error(server.post("/v1/completions", {"model": run_id, "prompt": long_prompt}), 400,
-                 code="context_length_exceeded")
+                 code="context_length_exceeded", param="prompt")  # a text completion names the prompt
     assert_error(server.post(chat, {**ok, "stream": True, "temperature": 5}), 400, param="temperature")
 
     client = server.client()
@@ -199,12 +196,6 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
     assert health.json()["in_flight"] == 0, "a refused request must not stay counted"
     assert server.client().chat.completions.create(model=run_id, messages=QUESTION, max_tokens=2).choices
-
-
-def test_context_length_error_of_a_text_completion_names_the_prompt(served):
-    server, run_id, _ = served
-    response = server.post("/v1/completions", {"model": run_id, "prompt": "word " * 600})
-    assert_error(response, 400, code="context_length_exceeded", param="prompt")
 
 
 def test_chat_in_the_terminal_answers_like_the_server(served):
@@ -557,7 +548,7 @@ def test_a_server_that_dies_while_holding_does_not_hold_training_forever(guarded
         server.proc.wait(timeout=60)
         result = run_lodger(["resume", detach.run_id()], env)
         assert result.returncode == 0, describe(result)
-        wait_until(lambda: run_state(folder).get("state") == "running", 8,
+        wait_until(lambda: run_state(folder).get("state") == "running", 60,
                    what="the run to continue once its holder is gone")
     finally:
         stop_training(folder)

@@ -11,26 +11,20 @@
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import openai
 import pytest
 
-from helpers import lodger_env, wait_until
-from serve_helpers import QUESTION, Server, assert_error, start_server
+from helpers import wait_until
+from serve_helpers import QUESTION, Server, assert_error
 
 
 @pytest.fixture(scope="module")
-def api(baseline, tmp_path_factory) -> tuple[Server, str]:
-    """(server, run id): `lodger serve --run BASELINE --no-yield` on a copy of the baseline's home."""
-    home = tmp_path_factory.mktemp("api_home")
-    shutil.copytree(baseline.home, home, dirs_exist_ok=True)
-    env = lodger_env(home)
-    env.pop("LODGER_API_TOKEN", None)
-    server = start_server(["--run", baseline.run_id, "--no-yield"], env, tmp_path_factory.mktemp("api_logs"))
-    yield server, baseline.run_id
-    server.close()
+def api(baseline_server) -> tuple[Server, str]:
+    """(server, run id): `lodger serve --run BASELINE` on a copy of the baseline's home, the server
+    test_serve.py uses too (conftest); every check here reads only the log lines of its own requests."""
+    server, run_id, _ = baseline_server
+    return server, run_id
 
 
 def test_content_as_text_parts_answers_like_a_string(api):

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -108,15 +109,16 @@ def _python(code: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _run_with_lock(text: str, victim: subprocess.Popen, *, held: bool, policy: dict | None = None):
+def _run_with_lock(text: str, victim: subprocess.Popen, *, held: bool, policy: dict | None = None,
+                   run: str = RUN):
     """A run row with status `running` and a lock file holding ``text``; with ``held`` this test
     process takes the lock (so it is locked, but not by the process the file names)."""
     job = {"data": {"train": "train.jsonl"}, "training": {"steps": 10}, "policy": policy or {}}
     with Ledger() as ledger:
-        ledger.create_run(RUN, name="signals", model="m", method="lora", job_hash="0", job_toml=to_toml(job),
+        ledger.create_run(run, name="signals", model="m", method="lora", job_hash="0", job_toml=to_toml(job),
                           total_steps=10, pid=None)
-        ledger.set_status(RUN, "running", "started", step=0)
-    folder = run_dir(RUN)
+        ledger.set_status(run, "running", "started", step=0)
+    folder = run_dir(run)
     folder.mkdir(parents=True)
     lock = folder / "lock"
     lock.write_text(text.format(victim=victim.pid, start=process_start(victim.pid)))
@@ -128,30 +130,58 @@ def _run_with_lock(text: str, victim: subprocess.Popen, *, held: bool, policy: d
     return folder, fh
 
 
+@dataclass
+class Locked:
+    """One run of a home holding many: a lock text of LOCK_TEXTS, held by this process or not."""
+
+    case: str
+    held: bool
+    run: str
+    folder: Path
+    fh: object
+
+
+def _runs_with_locks(victim: subprocess.Popen, held: tuple[bool, ...], policy: dict | None = None) -> list[Locked]:
+    """One run per lock text and per ``held`` value, side by side in this test's home: a command that
+    reads every run (`pause --all`, an agent tick, the lease) meets every case in one process."""
+    runs = []
+    for n, (case, is_held) in enumerate((c, h) for c in LOCK_TEXTS for h in held):
+        run = f"signals-20261201-000000-{n:04x}"
+        folder, fh = _run_with_lock(LOCK_TEXTS[case], victim, held=is_held, policy=policy, run=run)
+        runs.append(Locked(case, is_held, run, folder, fh))
+    return runs
+
+
+def _release(runs: list[Locked]) -> None:
+    for run in runs:
+        if run.fh:
+            run.fh.close()
+
+
 def _assert_untouched(victim: subprocess.Popen, folder: Path) -> None:
     assert victim.poll() is None, f"the unrelated process died (exit {victim.returncode})"
     assert holder(folder) is None
 
 
-HELD = pytest.mark.parametrize("held", [False, True], ids=["lock free", "lock held by another process"])
+BOTH = (False, True)  # lock free, lock held by another process
 CASES = pytest.mark.parametrize("case", list(LOCK_TEXTS))
 
 
-@HELD
-@CASES
-def test_pause_signals_nobody_and_says_the_run_is_not_training(case, held, victim, lodger_home):
-    folder, fh = _run_with_lock(LOCK_TEXTS[case], victim, held=held)
+def test_pause_signals_nobody_and_says_the_run_is_not_training(victim, lodger_home):
+    runs = _runs_with_locks(victim, BOTH)
     try:
-        result = _alone([LODGER, "pause", RUN, "--hold", "--no-wait"])
-        assert result.returncode == 1 and "is not training now" in result.stderr, describe(result)
-        assert "Traceback" not in result.stderr
-        result = _alone([LODGER, "pause", "--all", "--no-wait"])
+        for run in runs:
+            result = _alone([LODGER, "pause", run.run, "--hold", "--no-wait"])
+            assert result.returncode == 1 and "is not training now" in result.stderr, (run.case, run.held,
+                                                                                       describe(result))
+            assert "Traceback" not in result.stderr
+        result = _alone([LODGER, "pause", "--all", "--no-wait"])  # one process meets every case
         assert result.returncode == 0 and "nothing is training" in result.stdout, describe(result)
-        _assert_untouched(victim, folder)
-        assert "user" not in read_requests(folder)  # nothing asked of a run nobody verifiably trains
+        for run in runs:
+            _assert_untouched(victim, run.folder)
+            assert "user" not in read_requests(run.folder), (run.case, run.held)  # nobody verifiably trains it
     finally:
-        if fh:
-            fh.close()
+        _release(runs)
 
 
 @CASES
@@ -167,35 +197,34 @@ def test_resume_of_a_run_locked_by_an_unverifiable_process_signals_nobody(case, 
         fh.close()
 
 
-@HELD
-@CASES
-def test_the_agent_leaves_an_unverifiable_run_alone(case, held, victim, lodger_home):
-    folder, fh = _run_with_lock(LOCK_TEXTS[case], victim, held=held,
-                                policy={"max_foreign_cpu": 0.5, "clear_seconds": 0.0, "pause_on_battery": False})
+def test_the_agent_leaves_an_unverifiable_run_alone(victim, lodger_home):
+    runs = _runs_with_locks(victim, BOTH,
+                            policy={"max_foreign_cpu": 0.5, "clear_seconds": 0.0, "pause_on_battery": False})
     try:
-        ticks = _python(AGENT_TICKS)
+        ticks = _python(AGENT_TICKS)  # one agent, two ticks over every case
         assert ticks["started"] == 0  # it restarted nothing either
         assert ticks["seen"] and all(victim.pid not in pids for pids in ticks["seen"]), ticks
         with Ledger() as ledger:
-            policy_events = [e for e in ledger.events(RUN) if e["kind"] == "policy"]
-        assert policy_events == [], policy_events
-        assert "agent" not in read_requests(folder)
-        _assert_untouched(victim, folder)
+            for run in runs:
+                policy_events = [e for e in ledger.events(run.run) if e["kind"] == "policy"]
+                assert policy_events == [], (run.case, run.held, policy_events)
+        for run in runs:
+            assert "agent" not in read_requests(run.folder), (run.case, run.held)
+            _assert_untouched(victim, run.folder)
     finally:
-        if fh:
-            fh.close()
+        _release(runs)
 
 
-@CASES
-def test_the_inference_lease_holds_and_releases_without_signalling_anybody(case, victim, lodger_home):
-    folder, fh = _run_with_lock(LOCK_TEXTS[case], victim, held=True, policy={"inference_grace_seconds": 0.0})
+def test_the_inference_lease_holds_and_releases_without_signalling_anybody(victim, lodger_home):
+    runs = _runs_with_locks(victim, (True,), policy={"inference_grace_seconds": 0.0})
     try:
-        lease = _python(LEASE_REQUEST)
-        assert lease == {"asked": [RUN], "still_holding": [], "thread": True}, lease  # asked in its file only
-        assert "serve" not in read_requests(folder)
-        _assert_untouched(victim, folder)
+        lease = _python(LEASE_REQUEST)  # one request: the lease asks every locked run of the home
+        assert lease == {"asked": sorted(r.run for r in runs), "still_holding": [], "thread": True}, lease
+        for run in runs:
+            assert "serve" not in read_requests(run.folder), run.case  # asked in its file only
+            _assert_untouched(victim, run.folder)
     finally:
-        fh.close()
+        _release(runs)
 
 
 @pytest.mark.parametrize("text", ["-1", "-42", '{"pid": -1, "start": "x"}', '{"pid": 1, "start": "x"}',
