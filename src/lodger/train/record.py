@@ -49,8 +49,10 @@ class Recorder:
         return reached
 
     def step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
-             skipped: bool, samples: list[int] | None, held: float = 0.0) -> None:
-        """``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart)."""
+             skipped: bool, samples: list[int] | None, held: float = 0.0, computed: int = 0,
+             padded: int = 0) -> None:
+        """``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart);
+        ``computed`` the positions this rank's micro-batches computed, ``padded`` how many were padding."""
         step = self.progress.step
         self.control.step = step
         if not self.writes:
@@ -59,6 +61,8 @@ class Recorder:
                   "tokens": tokens, "seconds": seconds, "time": time.time(), "segment": self.progress.segment}
         if held:
             record["held_seconds"] = held
+        if computed:
+            record["computed"], record["padded"] = computed, padded
         if skipped:
             record["skipped"] = True
             self.ledger.event(self.run_id, "warning", step=step, reason="non-finite loss or gradient norm; "
