@@ -74,8 +74,10 @@ def train_data() -> Path:
     return path
 
 
-def write_job(folder: Path, steps: int, *, every_steps: int | None = 50, name: str = "bench") -> Path:
-    """The benchmark job: SmolLM2, LoRA r=8 on q/v, batch 4 x 128, 2 threads, no eval."""
+def write_job(folder: Path, steps: int, *, every_steps: int | None = 50, name: str = "bench",
+              packing: bool = False) -> Path:
+    """The benchmark job: SmolLM2, LoRA r=8 on q/v, batch 4 x 128, 2 threads, no eval. Unpacked
+    unless asked: the Trainer sides are fed lodger's padded batches, step for step."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.toml"
     ckpt = f"every_steps = {every_steps}" if every_steps else "# every_steps = (off)"
@@ -100,6 +102,7 @@ min_lr_ratio = {MIN_LR_RATIO}
 seed = {SEED}
 threads = {THREADS}
 log_every = 1000000
+packing = {"true" if packing else "false"}
 [checkpoints]
 {ckpt}
 keep_last = 3

@@ -125,6 +125,9 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5) -> Comparison:
             da, db = pa[0]["data"].get(part), pb[0]["data"].get(part)
             if (da or {}).get("sha256") != (db or {}).get("sha256"):
                 c.data_differences.append(f"{part} data sha256 {(da or {}).get('sha256')} vs {(db or {}).get('sha256')}")
+        packing_a, packing_b = pa[0]["data"].get("packing"), pb[0]["data"].get("packing")
+        if packing_a != packing_b:  # "auto" may resolve differently on two machines
+            c.data_differences.append(f"batching {packing_a} vs {packing_b}")
         if pa[0]["model"]["sha256"] != pb[0]["model"]["sha256"]:
             c.data_differences.append("model source sha256 differs")
         if pa[0]["model"]["tokenizer_sha256"] != pb[0]["model"]["tokenizer_sha256"]:

@@ -107,6 +107,15 @@ class TrainingConfig(Section):
     """Evaluate on the held-out set every this many steps (and always at the start and the end)."""
     log_every: Int = Field(1, ge=1)
     """Print the step line every this many steps (every step is still written to metrics.jsonl)."""
+    packing: Literal["auto"] | bool = "auto"
+    """Padding-free batches: pack several examples into each row of `pack_tokens` tokens, with
+    position ids restarting per example and attention that never crosses examples (same loss per
+    target token, fewer padded positions). `auto` packs when the model's attention keeps packed
+    examples apart (probed at start, recorded in the provenance) and trains unpacked
+    (right-padded batches) otherwise; `true` always packs; `false` never does. A step takes
+    `batch_size` rows x `grad_accum` x `world_size` packs, so it holds more examples than unpacked."""
+    pack_tokens: Int | None = Field(None, ge=1)
+    """Token budget of one packed row; left out, [data] max_length. Must be at least max_length."""
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> "TrainingConfig":

@@ -120,7 +120,7 @@ _COMMENTED_EXAMPLES: dict[str, Any] = {
     "epochs": 1.0, "every_seconds": 600.0, "eval": "eval.jsonl", "max_foreign_memory": 0.8,
     "max_foreign_gpu_memory": 0.5, "allowed_hours": "22:00-07:00", "memory_gb": 8.0,
     "gpu_memory_fraction": 0.8, "max_compute_hours": 10.0, "eval_every": 50, "threads": 2, "steps": 100,
-    "revision": "main", "init_adapter": "path/to/adapter"}
+    "revision": "main", "init_adapter": "path/to/adapter", "pack_tokens": 2048}
 
 
 REMOTE_EXAMPLE = {"wall_hours": 4.0, "gpu_hours": 4.0, "cost": 10.0, "nodes": 1}

@@ -113,6 +113,17 @@ class Packer:
         self.sampler, self.lengths = sampler, lengths
         self.rows, self.row_tokens, self.packs_per_step = rows, row_tokens, packs_per_step
 
+    packed = True
+    explicit_mask = False  # set when the model's attention needs block_causal_mask (attention_mode)
+
+    def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
+        """One micro-batch of the plan, ready for the model (no attention mask, position ids)."""
+        return collate_packed(dataset, pack, pad_id, explicit_mask=self.explicit_mask)
+
+    def plan(self, position: int) -> StepPlan:
+        """The plan of the step whose first example is at sampler position ``position``."""
+        return self.step(position)
+
     def step(self, position: int) -> StepPlan:
         """The plan of the step whose first example is at sampler position ``position``."""
         consumed = 0
@@ -147,6 +158,48 @@ class Packer:
             position = self.step(position).end
             steps += 1
         return max(1, steps)
+
+
+class PaddedPlanner:
+    """Unpacked steps under the same interface as ``Packer``: a step is the next
+    ``micro x accum x world`` sampler positions, one example per row, right-padded micro-batches.
+    Rank ``r`` trains examples ``r, r + world, ...`` of the step in micro-batches of ``micro`` (as
+    before packing existed), so pack ``i * world + r`` of the plan is rank r's i-th micro-batch."""
+
+    packed, explicit_mask = False, False
+
+    def __init__(self, sampler: "Sampler", *, micro: int, accum: int, world: int):
+        self.sampler, self.micro, self.accum, self.world = sampler, micro, accum, world
+        self.per_step = micro * accum * world
+
+    def plan(self, position: int) -> StepPlan:
+        ids = [self.sampler.at(position + k) for k in range(self.per_step)]
+        mine = [ids[r::self.world] for r in range(self.world)]
+        packs = tuple(tuple((i,) for i in mine[r][m * self.micro:(m + 1) * self.micro])
+                      for m in range(self.accum) for r in range(self.world))
+        return StepPlan(position, position + self.per_step, packs)
+
+    step = plan
+
+    def next_start(self, position: int, skip: Iterable[int]) -> int:
+        """Jump over steps that caused a rollback (a step is ``per_step`` positions)."""
+        skip = set(skip)
+        while position in skip:
+            position += self.per_step
+        return position
+
+    def steps_for(self, examples: float) -> int:
+        import math
+
+        return max(1, math.ceil(examples / self.per_step))
+
+    def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
+        from .data import collate
+
+        tensors = collate(dataset, [row[0] for row in pack], pad_id)
+        mask = tensors["attention_mask"]
+        labels = tensors["labels"]
+        return PackedBatch(tensors, int((labels[:, 1:] != -100).sum()), int(mask.sum()), mask.numel())
 
 
 @dataclass
@@ -236,3 +289,18 @@ def attention_mode(model, vocab_size: int | None = None, atol: float = 1e-4) -> 
     finally:
         model.train(was_training)
     return None
+
+
+def make_planner(training, max_length: int, sampler: "Sampler", lengths: Sequence[int], packed: bool):
+    """The step planner a job trains with: ``Packer`` (rows of ``batch_size`` x ``pack_tokens``,
+    ``grad_accum x world_size`` packs a step) or ``PaddedPlanner`` (one example a row)."""
+    if not packed:
+        return PaddedPlanner(sampler, micro=training.batch_size, accum=training.grad_accum,
+                             world=training.world_size)
+    row_tokens = training.pack_tokens or max_length
+    if row_tokens < max_length:
+        raise JobFileError(f"[training] pack_tokens = {row_tokens} is below [data] max_length = {max_length}: "
+                           "an example of max_length tokens would not fit a row; raise pack_tokens or "
+                           "leave it out (it defaults to max_length)")
+    return Packer(sampler, lengths, rows=training.batch_size, row_tokens=row_tokens,
+                  packs_per_step=training.grad_accum * training.world_size)

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import durable
-from .config import JobConfig, job_hash, to_toml, total_steps
+from .config import JobConfig, job_hash, to_toml
 from .jobfile import load_job
 from .control import Control, clear_request
-from .data import read_jsonl, split_indices, tokenize
+from .data import Sampler, read_jsonl, split_indices, tokenize
 from .distributed import Ranks
 from .errors import LimitReached, PreflightError, RunStateError
 from .home import run_dir
@@ -30,6 +30,7 @@ from .restarts import mark_starting
 from .runlock import RunLock
 from .compare import segment_compute
 from .model import check_target_modules, model_folder, resolve_source, tokenizer_hash
+from .packing import example_lengths, make_planner
 
 if TYPE_CHECKING:
     from .train.state import Prepared, Session
@@ -59,8 +60,14 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     else:
         train_indices, eval_indices = split_indices(len(train_set), job.data.eval_fraction, job.training.seed)
         eval_set = train_set if eval_indices else None
+    # Packed or not is settled here (the step count depends on it); the attention probe at start
+    # only picks how packed examples are kept apart (train/state.py).
+    sampler = Sampler(train_indices, job.training.seed)
+    planner = make_planner(job.training, job.data.max_length, sampler, example_lengths(train_set),
+                           packed=job.training.packing is not False)
+    steps = job.training.steps or planner.steps_for(job.training.epochs * len(train_indices))
     return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
-                    train_indices, eval_indices, total_steps(job, len(train_indices)), device or pick_device(job))
+                    train_indices, eval_indices, steps, device or pick_device(job), planner)
 
 
 def preflight(prepared: Prepared, force: bool = False) -> dict:
@@ -70,6 +77,8 @@ def preflight(prepared: Prepared, force: bool = False) -> dict:
     job = prepared.job
     config = json.loads((prepared.folder / "config.json").read_text())
     longest = int((prepared.train_set.offsets[1:] - prepared.train_set.offsets[:-1]).max())
+    if prepared.planner is not None and prepared.planner.packed:  # rows fill up to the token budget
+        longest = prepared.planner.row_tokens
     runtime = None if prepared.device == "cuda" else runtime_bytes(threads=job.training.threads, use_current=False)
     est = estimate(job, config, seq_len=min(longest, job.data.max_length), device=prepared.device,
                    runtime_bytes=runtime)
@@ -176,7 +185,7 @@ def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, rank
         ckpt = session.checkpointer.agreed()  # in step with rank 0's _resume_state
         if ckpt is not None:
             session.checkpointer.restore(ckpt)
-    status = train(session)
+    status = train(session.state, **session.collaborators())
     if status == "paused":  # as rank 0 does: give the memory back now
         sys.stdout.flush()
         os._exit(0)
@@ -201,7 +210,7 @@ def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ra
     _announce_holds(session, ledger, reporter)
     try:
         _start_segment(session, ledger, resuming=resuming)
-        status = train(session)
+        status = train(session.state, **session.collaborators())
         _record_end(session, ledger, status)
         if status == "paused":
             # Give the machine back now: skip interpreter teardown (seconds of freeing torch and

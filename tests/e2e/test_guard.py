@@ -14,16 +14,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import describe, lodger_env, read_metrics, run_dir_of, run_lodger, show, write_job  # noqa: E402
 
 from fixtures_lib import write_chat_jsonl  # noqa: E402
-from lodger.data import Sampler  # noqa: E402
 
-BATCH, ACCUM, EXAMPLES = 4, 2, 256
+EXAMPLES = 256
 
 
-def lines_of_steps(steps: list[int]) -> list[int]:
-    """The data lines (1-based; the file has no blank lines) drawn by these 1-based steps."""
-    sampler = Sampler(list(range(EXAMPLES)), 0)
-    size = BATCH * ACCUM
-    return sorted({sampler.at((step - 1) * size + k) + 1 for step in steps for k in range(size)})
+def lines_of_steps(job: Path, steps: list[int]) -> list[int]:
+    """The data lines drawn by these 1-based steps, from the job's own step plans (packed under
+    the default [training] packing = "auto"): the guard must skip exactly these examples."""
+    from lodger.jobfile import load_job
+    from lodger.run import prepare
+
+    prepared = prepare(load_job(job))
+    position, lines = 0, set()
+    for step in range(1, max(steps) + 1):
+        plan = prepared.planner.plan(position)
+        if step in steps:
+            lines |= {int(prepared.train_set.lines[i]) for i in plan.indices()}
+        position = plan.end
+    return sorted(lines)
 
 
 def run_poisoned(tmp_path: Path, tiny_model_dir: Path, steps: list[int], total: int = 24):
@@ -31,17 +39,17 @@ def run_poisoned(tmp_path: Path, tiny_model_dir: Path, steps: list[int], total: 
     job = write_job(tmp_path / "job.toml", model=tiny_model_dir, train=train, steps=total, every_steps=4,
                     eval_every=None, dropout=0.0, keep_last=3, eval_fraction=0.0,
                     extra={"guard": {"max_bad_steps": 3}})
-    env = lodger_env(tmp_path / "home", LODGER_TEST_POISON_LINES=",".join(map(str, lines_of_steps(steps))))
+    env = lodger_env(tmp_path / "home", LODGER_TEST_POISON_LINES=",".join(map(str, lines_of_steps(job, steps))))
     result = run_lodger(["run", job, "--quiet"], env)
     run_id = result.stdout.split()[1]
-    return result, run_id, run_dir_of(run_id, env), env
+    return result, run_id, run_dir_of(run_id, env), env, job
 
 
 def test_poisoned_steps_are_skipped_named_and_leave_the_adapter_exactly_as_it_was(tmp_path, tiny_model_dir):
     """Steps 7 and 8 poisoned (two in a row: below the rollback threshold of 3). Each is skipped with
     its non-finite loss and one warning naming lines it drew; the final adapter is the state after step 6.
     (One run for what were two tests, of one poisoned step and of two.)"""
-    result, run_id, folder, env = run_poisoned(tmp_path, tiny_model_dir, [7, 8], total=8)
+    result, run_id, folder, env, job = run_poisoned(tmp_path, tiny_model_dir, [7, 8], total=8)
     assert result.returncode == 0, describe(result)
     records = {r["step"]: r for r in read_metrics(folder) if r["kind"] == "train"}
     for step in (7, 8):
@@ -50,7 +58,7 @@ def test_poisoned_steps_are_skipped_named_and_leave_the_adapter_exactly_as_it_wa
     warnings = [e["data"] for e in show(run_id, env)["events"] if e["kind"] == "warning"]
     assert [w["step"] for w in warnings] == [7, 8], warnings
     for warning in warnings:
-        assert warning["sample_lines"] and set(warning["sample_lines"]) <= set(lines_of_steps([warning["step"]]))
+        assert warning["sample_lines"] and set(warning["sample_lines"]) <= set(lines_of_steps(job, [warning["step"]]))
     # steps 5 and 6 update, 7 and 8 are skipped: the final adapter equals the state after step 6,
     # which is what the checkpoint of a run stopped after 6 steps holds
     short = write_job(tmp_path / "short.toml", model=tiny_model_dir, train=tmp_path / "train.jsonl", steps=8,
@@ -65,7 +73,7 @@ def test_poisoned_steps_are_skipped_named_and_leave_the_adapter_exactly_as_it_wa
 
 
 def test_repeated_poison_rolls_back_and_the_run_finishes_with_the_story_in_the_ledger(tmp_path, tiny_model_dir):
-    result, run_id, folder, env = run_poisoned(tmp_path, tiny_model_dir, [10, 11, 12])
+    result, run_id, folder, env, job = run_poisoned(tmp_path, tiny_model_dir, [10, 11, 12])
     assert result.returncode == 0, describe(result)
     info = show(run_id, env)
     assert info["run"]["status"] == "finished"

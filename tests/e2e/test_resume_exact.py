@@ -81,6 +81,17 @@ def test_sigkill_at_random_steps_then_resume_is_bitwise_equal(standard_job, base
     info = show(run_id)
     assert info["run"]["status"] == "finished" and info["run"]["step"] == TOTAL_STEPS
     assert event_kinds(info).count("resumed") == len(kills)
+    assert_packed(folder)
+
+
+def assert_packed(folder: Path) -> None:
+    """The standard job trains packed ([training] packing = "auto" on the tiny Llama): every
+    segment says so, and the steps computed fewer padded positions than examples x longest."""
+    segments = json.loads((folder / "provenance.json").read_text())["segments"]
+    assert {json.dumps(s["data"]["packing"], sort_keys=True) for s in segments} == \
+        {json.dumps({"mode": "position_ids", "pack_tokens": 64, "setting": "auto"}, sort_keys=True)}
+    records = [r for r in read_metrics(folder) if r["kind"] == "train"]
+    assert all(0 <= r["padded"] < r["computed"] for r in records), records[:3]
 
 
 # -- (2) death at every fault point of the checkpoint write path ---------------------------

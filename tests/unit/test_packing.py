@@ -280,3 +280,39 @@ def test_attention_reads_packing_from_position_ids_on_cuda(tiny_model_dir, impl)
     model = load_base_model(tiny_model_dir).to("cuda")
     model.set_attn_implementation(impl)
     assert attention_mode(model) == "position_ids"
+
+
+def test_unpacked_plans_are_the_padded_batches_each_rank_trained_before_packing() -> None:
+    """packing = false: rank r's micro-batch i is examples r::world of the step, in chunks of batch_size."""
+    from lodger.packing import PaddedPlanner
+
+    sampler = Sampler(list(range(len(LENGTHS))), 3)
+    micro, accum, world = 3, 2, 2
+    planner = PaddedPlanner(sampler, micro=micro, accum=accum, world=world)
+    per_step = micro * accum * world
+    position = 0
+    for _ in range(20):
+        plan = planner.plan(position)
+        step_ids = [sampler.at(position + k) for k in range(per_step)]
+        assert plan.end == position + per_step
+        assert sorted(plan.indices()) == sorted(step_ids)
+        for rank in range(world):
+            mine = step_ids[rank::world]
+            assert [[row[0] for row in pack] for pack in plan.share(rank, world)] == \
+                [mine[i * micro:(i + 1) * micro] for i in range(accum)]
+        position = plan.end
+    assert planner.next_start(0, [0, per_step]) == 2 * per_step
+    assert planner.steps_for(2.5 * per_step) == 3
+
+
+def test_a_packed_row_budget_below_max_length_is_refused_naming_the_key() -> None:
+    from types import SimpleNamespace
+
+    from lodger.packing import make_planner
+
+    training = SimpleNamespace(batch_size=2, grad_accum=1, world_size=1, pack_tokens=32)
+    with pytest.raises(JobFileError, match=r"\[training\] pack_tokens = 32 is below \[data\] max_length = 64"):
+        make_planner(training, 64, Sampler([0, 1], 0), [10, 20], packed=True)
+    planner = make_planner(SimpleNamespace(**(training.__dict__ | {"pack_tokens": None})), 64,
+                           Sampler([0, 1], 0), [10, 20], packed=True)
+    assert planner.packed and planner.row_tokens == 64 and planner.packs_per_step == 1

@@ -8,19 +8,19 @@ import time
 from pathlib import Path
 
 from .. import durable
-from ..checkpoint import Checkpoint, safetensors_problem, step_folder
+from ..checkpoint import Checkpoint, step_folder
 from ..errors import CheckpointError
 from ..recovery import sync_metrics
-from .holders import Entries, split_entries, state_problems, weights_file
+from .holders import Entries, file_problems, split_entries
 
 
 class Checkpointer:
     """``holders``: the ordered map of named state holders; ``facts`` the one that checks what the
     checkpoint was trained on (its ``drift`` is what ``restore`` returns)."""
 
-    def __init__(self, run_id: str, store, holders: dict, facts, sync, recorder, ledger, meter, method):
+    def __init__(self, run_id: str, store, holders: dict, facts, sync, recorder, ledger, meter):
         self.run_id, self.store, self.holders, self.facts = run_id, store, holders, facts
-        self.sync, self.recorder, self.ledger, self.meter, self.method = sync, recorder, ledger, meter, method
+        self.sync, self.recorder, self.ledger, self.meter = sync, recorder, ledger, meter
 
     # -- saving ------------------------------------------------------------------------------
     def save(self, skip_if_exists: bool = False) -> Path:
@@ -66,26 +66,13 @@ class Checkpointer:
     def check_contents(self, ckpt: Checkpoint) -> None:
         """Raise CheckpointError unless ``restore`` finds everything it reads: a checkpoint whose
         hashes verify can still lack a key (written by another version, or by hand), and is then
-        damaged like any other, so resume falls back to the previous one."""
-        ranks = [f"rng-rank-{r}.json" for r in range(1, ckpt.world_size)]
-        needed = ["state.json", weights_file(self.method), "optimizer.json", "optimizer.safetensors",
-                  "rng.safetensors", *ranks]
-        problems = [f"no {name}" for name in needed if name not in ckpt.files]
-        for name in needed:
-            if name in ckpt.files and name.endswith(".safetensors"):
-                why = safetensors_problem(ckpt.files[name])
-                problems += [f"{name}: {why}"] if why else []
-            elif name in ckpt.files:
-                try:
-                    parsed = json.loads(ckpt.files[name])
-                except ValueError as exc:
-                    parsed, problems = None, problems + [f"{name} is not valid JSON ({exc})"]
-                if name == "state.json" and isinstance(parsed, dict):
-                    problems += state_problems(parsed, ckpt.step)
-                elif name == "optimizer.json" and isinstance(parsed, dict):
-                    problems += [f"optimizer.json lacks `{k}`" for k in ("param_groups", "plain") if k not in parsed]
-                elif parsed is not None and not isinstance(parsed, dict):
-                    problems.append(f"{name} is not a JSON object")
+        damaged like any other, so resume falls back to the previous one. Every holder of the map
+        says what it lacks (holders.py), for the world size the checkpoint's manifest records."""
+        problems = file_problems(ckpt.files, "state.json")
+        state = json.loads(ckpt.files["state.json"]) if not problems else {}
+        entries = Entries(ckpt.files, state)
+        for holder in self.holders.values():
+            problems += holder.problems(entries, ckpt.step, ckpt.world_size)
         if problems:
             raise CheckpointError(f"{ckpt.path.name}: its files verify but cannot be restored: {'; '.join(problems)}")
 

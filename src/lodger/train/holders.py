@@ -1,6 +1,9 @@
 """What a checkpoint holds, declared once: a map of named state holders.
 
-Each holder has ``state_dict()`` and ``load_state_dict(entries)``. Its state_dict returns
+Each holder has ``state_dict()``, ``load_state_dict(entries)`` and ``problems(entries, step,
+world_size)`` (what ``load_state_dict`` would miss in a checkpoint: the checkpointer's
+``check_contents`` asks every holder, so what is saved, restored and checked is declared in one
+place; ``world_size`` comes from the checkpoint's manifest). Its state_dict returns
 checkpoint entries: a name with a dot is a file of its own in the step folder
 (``adapter_model.safetensors``, ``optimizer.json``, ``rng.safetensors``); a name without one is a
 key of ``state.json`` (``progress``, ``rng``, ``guard``, ...). Saving iterates the map and writes
@@ -25,6 +28,40 @@ class StateHolder(Protocol):
 
     def load_state_dict(self, entries: Mapping[str, Any]) -> None: ...
 
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]: ...
+
+
+def file_problems(entries: Mapping[str, Any], name: str, keys: tuple[str, ...] = ()) -> list[str]:
+    """Why the file ``name`` cannot be read back: missing, not a valid safetensors file, or (JSON)
+    not an object or lacking one of ``keys``."""
+    from ..checkpoint import safetensors_problem
+
+    files = getattr(entries, "files", entries)
+    if name not in files:
+        return [f"no {name}"]
+    if name.endswith(".safetensors"):
+        why = safetensors_problem(files[name])
+        return [f"{name}: {why}"] if why else []
+    try:
+        parsed = json.loads(files[name])
+    except ValueError as exc:
+        return [f"{name} is not valid JSON ({exc})"]
+    if not isinstance(parsed, dict):
+        return [f"{name} is not a JSON object"]
+    return [f"{name} lacks `{k}`" for k in keys if k not in parsed]
+
+
+def state_key_problems(entries: Mapping[str, Any], key: str, subkeys: tuple[str, ...] = ()) -> list[str]:
+    """Why state.json's ``key`` (an object with ``subkeys``) cannot be read back."""
+    state = getattr(entries, "state", {})
+    if key not in state:
+        return [f"state.json lacks `{key}`"]
+    if not subkeys:
+        return []
+    if not isinstance(state[key], dict):
+        return [f"state.json `{key}` is not an object"]
+    return [f"state.json lacks `{key}.{k}`" for k in subkeys if k not in state[key]]
+
 
 @dataclass
 class Progress:
@@ -41,6 +78,13 @@ class Progress:
     def load_state_dict(self, entries: Mapping[str, Any]) -> None:
         for key, value in entries["progress"].items():  # in place: the loop holds this object
             setattr(self, key, value)
+
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        found = state_key_problems(entries, "progress", tuple(f.name for f in fields(Progress)))
+        saved = getattr(entries, "state", {}).get("progress")
+        if isinstance(saved, dict) and "step" in saved and saved["step"] != step:
+            found.append(f"state.json says step {saved['step']!r}, its folder step {step}")
+        return found
 
 
 class Entries(Mapping):
@@ -88,6 +132,9 @@ class Weights:
 
         load_trainable_state(self.model, self.method, load_tensors(entries[weights_file(self.method)]))
 
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        return file_problems(entries, weights_file(self.method))
+
 
 class Optimizer:
     def __init__(self, optimizer):
@@ -102,6 +149,10 @@ class Optimizer:
         from .optim import load_optimizer
 
         load_optimizer(self.optimizer, entries)
+
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        return (file_problems(entries, "optimizer.json", ("param_groups", "plain"))
+                + file_problems(entries, "optimizer.safetensors"))
 
 
 class Rng:
@@ -134,6 +185,12 @@ class Rng:
         else:
             restore_rng(*rng_from_json(json.loads(entries[f"rng-rank-{self.sync.rank}.json"])))
 
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        found = file_problems(entries, "rng.safetensors")
+        for rank in range(1, world_size):  # every rank's generators, as many as the manifest says
+            found += file_problems(entries, f"rng-rank-{rank}.json")
+        return found + state_key_problems(entries, "rng", ("python", "numpy"))
+
 
 class Evals:
     """Eval results by step (the recorder's), so a resume knows which evals already ran."""
@@ -146,6 +203,9 @@ class Evals:
 
     def load_state_dict(self, entries: Mapping[str, Any]) -> None:
         self.recorder.evals = {int(k): v for k, v in entries.get("evals", {}).items()}
+
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        return []  # optional: older checkpoints lack it and restore the default
 
 
 class GuardHolder:
@@ -160,6 +220,9 @@ class GuardHolder:
 
         self.guard.state = GuardState(**entries.get("guard", {}))
 
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        return []  # optional: older checkpoints lack it and restore the default
+
 
 class Scaler:
     """The fp16 loss scaler's state ({} in other precisions)."""
@@ -172,6 +235,9 @@ class Scaler:
 
     def load_state_dict(self, entries: Mapping[str, Any]) -> None:
         self.precision.load(entries.get("scaler", {}))
+
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        return []  # optional: older checkpoints lack it and restore the default
 
 
 class RunFacts:
@@ -204,24 +270,6 @@ class RunFacts:
                                 f"{entries['model_sha256']}, now {p.source.sha256})")
         self.drift = prov.drift(entries["numerics"], self.fingerprint)
 
-
-def state_problems(state: dict, step: int) -> list[str]:
-    """What a checkpoint's state.json lacks for the holders above (which read these keys)."""
-    problems = [f"state.json lacks `{k}`" for k in ("progress", "rng", "numerics", "data", "model_sha256")
-                if k not in state]
-    progress, data, rng = state.get("progress"), state.get("data"), state.get("rng")
-    if isinstance(rng, dict):
-        problems += [f"state.json lacks `rng.{k}`" for k in ("python", "numpy") if k not in rng]
-    elif "rng" in state:
-        problems.append("state.json `rng` is not an object")
-    if isinstance(progress, dict):
-        problems += [f"state.json lacks `progress.{f.name}`" for f in fields(Progress) if f.name not in progress]
-        if "step" in progress and progress["step"] != step:
-            problems.append(f"state.json says step {progress['step']!r}, its folder step {step}")
-    elif "progress" in state:
-        problems.append("state.json `progress` is not an object")
-    if isinstance(data, dict):
-        problems += [f"state.json lacks `data.{k}`" for k in ("train_sha256", "eval_sha256") if k not in data]
-    elif "data" in state:
-        problems.append("state.json `data` is not an object")
-    return problems
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        return (state_key_problems(entries, "numerics") + state_key_problems(entries, "model_sha256")
+                + state_key_problems(entries, "data", ("train_sha256", "eval_sha256")))

@@ -1,6 +1,7 @@
-"""The live state of one process training one run: the model, optimizer, precision, guard,
-sampler and counters, and the collaborators the loop calls (a synchroniser, a recorder, a
-checkpointer) built around them."""
+"""The live state of one process training one run: what the loop steps (``TrainState``: model,
+optimizer, precision, guard, data and its step plans, counters) and, apart from it, the
+collaborators the loop is given (a synchroniser, a recorder, a checkpointer, the control), all
+built here by ``Session``."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from .record import Recorder
 from .sync import DataParallelSync, LocalSync
 from .throughput import StepWork
 
-__all__ = ["Prepared", "Progress", "Session"]
+__all__ = ["Prepared", "Progress", "Session", "TrainState"]
 
 
 @dataclass
@@ -50,14 +51,62 @@ class Prepared:
     eval_indices: list[int]
     total_steps: int
     device: str = "cpu"
+    planner: Any = None  # packing.Packer or PaddedPlanner: each step's examples from its position
+
+
+@dataclass
+class TrainState:
+    """What the loop steps, and nothing that records, saves or synchronises (those are given to
+    ``train`` apart). ``planner`` turns a sampler position into the step's micro-batches
+    (packing.py); ``progress``, the guard, the optimizer, the weights and the scaler are what a
+    checkpoint holds (holders.py)."""
+
+    training: Any            # the job's [training] section
+    every_steps: int | None  # [checkpoints] every_steps
+    model: Any
+    optimizer: Any
+    precision: Any
+    guard: Any
+    planner: Any
+    progress: Progress
+    train_set: TokenizedSet
+    eval_set: TokenizedSet | None
+    eval_indices: list[int]
+    pad_id: int
+    device: str
+    total_steps: int
+    poisoned: Any = None     # test-only fault injection (faults.py)
 
 
 def make_sync(control, limits, job, ranks: Ranks):
-    """The way of training: one process, or data parallel (a federated mode would be chosen here)."""
+    """The way of training: one process, or data parallel (a federated synchroniser, see sync.py,
+    would be chosen here from its config)."""
     every = job.checkpoints.every_seconds
     if ranks.world_size == 1:
         return LocalSync(control, limits, every)
     return DataParallelSync(control, limits, every, ranks.rank, ranks.world_size)
+
+
+def choose_attention(prepared: Prepared, model) -> tuple[Any, str]:
+    """The planner this process trains with and how packed examples are kept apart:
+    "position_ids" (the attention reads restarting position ids), "mask" (an explicit block-causal
+    mask), or "unpacked". A probe of the real model on its device (packing.attention_mode);
+    ``packing = "auto"`` falls back to unpacked batches when neither keeps examples apart."""
+    from ..errors import JobFileError
+    from ..packing import attention_mode, make_planner
+
+    planner, training = prepared.planner, prepared.job.training
+    if planner is None or not planner.packed:
+        return planner, "unpacked"
+    mode = attention_mode(model)
+    if mode is None and training.packing is True:
+        raise JobFileError("[training] packing = true, but this model's attention mixes packed examples "
+                           "(neither restarting position ids nor a block mask keep them apart); set "
+                           'packing = "auto" or false')
+    if mode is None:  # "auto": the same examples, one per row (the step count was planned packed)
+        return make_planner(training, prepared.job.data.max_length, planner.sampler, [], packed=False), "unpacked"
+    planner.explicit_mask = mode == "mask"
+    return planner, mode
 
 
 class Session:
@@ -90,6 +139,7 @@ class Session:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
         self.model = attach_method(base, job.method, job.training.seed).to(self.device)
+        self.planner, self.packing_mode = choose_attention(prepared, self.model)  # draws no global randomness
         if self.rank > 0:  # same weights on every rank (seeded above); then its own dropout stream
             from ..distributed import rank_seed
 
@@ -110,7 +160,6 @@ class Session:
         self.store = store or CheckpointStore(checkpoints, keep, self.world_size)
         self.train_set, self.eval_set = prepared.train_set, prepared.eval_set
         self.eval_indices = prepared.eval_indices
-        self.sampler = Sampler(prepared.train_indices, job.training.seed)
         self.total_steps = prepared.total_steps
         self.pad_id = prepared.tokenizer.pad_token_id
         self.progress = Progress()
@@ -125,7 +174,16 @@ class Session:
                  "progress": self.progress, "evals": holders.Evals(self.recorder),
                  "guard": holders.GuardHolder(self.guard), "scaler": holders.Scaler(self.precision)}
         self.checkpointer = Checkpointer(run_id, self.store, state, facts, self.sync, self.recorder, ledger,
-                                         self.meter, job.method)
+                                         self.meter)
+        self.state = TrainState(job.training, job.checkpoints.every_steps, self.model, self.optimizer,
+                                self.precision, self.guard, self.planner, self.progress, self.train_set,
+                                self.eval_set, self.eval_indices, self.pad_id, self.device, self.total_steps,
+                                self.poisoned)
+
+    def collaborators(self) -> dict:
+        """What ``train`` is given besides the state, by its keyword names."""
+        return {"checkpointer": self.checkpointer, "recorder": self.recorder, "control": self.control,
+                "sync": self.sync}
 
     def write_adapter(self) -> Path:
         """The final trainable weights in their own folder (peft layout for LoRA), atomically."""
@@ -147,6 +205,9 @@ class Session:
                                              p.eval_indices]).encode()).hexdigest()
         data["eval_set_sha256"] = eval_id
         data["train_examples"], data["eval_examples"] = len(p.train_indices), len(p.eval_indices)
+        # How examples were batched: packed and unpacked runs see different steps (compare.py checks it).
+        data["packing"] = {"setting": self.job.training.packing, "mode": self.packing_mode,
+                           "pack_tokens": getattr(self.planner, "row_tokens", None) if self.planner.packed else None}
         for use in self.job.data_uses():  # registered dataset (name, license, owner) or not
             if use.role in data:
                 data[use.role].update(use.provenance())

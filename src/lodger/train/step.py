@@ -15,7 +15,10 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
 
     The labels move left instead of the logits (the last position predicts nothing): slicing the
     logits would copy them, the largest tensor of the step (batch x length x vocabulary)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    # A packed batch (packing.py) has position_ids and no attention_mask; without a KV cache
+    # transformers reads the example boundaries from the restarting position ids.
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    logits = model(**inputs, use_cache=False).logits
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
                            ignore_index=-100, reduction="sum")

@@ -9,6 +9,24 @@ The loop calls the same methods whichever it is given, so it has no world-size b
 - ``agree_checkpoint(store, check, on_damaged)``, ``gather_rng(make)``, ``barrier()``: for the
   checkpointer; ``writes`` says whether this process writes the run's files and ledger.
 - ``saves_alone``: whether this process may save a checkpoint no other process is saving.
+- ``rank``, ``world_size``: which share of a step's plan this process trains (``plan.share``).
+
+A federated synchroniser (processes on different machines that train apart and meet every few
+steps) is a third class with exactly these members, chosen in ``train.state.make_sync``:
+
+- ``rank``/``world_size``: 0/1 when each site trains its own data (its whole plan), or the site's
+  index and count when the sites split one plan;
+- ``start`` joins the federation (True: stop before training); ``micro_step`` answers local hold
+  and release as ``LocalSync`` does;
+- ``finish_step`` returns the loss and, when a round is due, sends this site's weights (or their
+  change since the round began) and loads the aggregate before the optimizer step carries on (so
+  it must be given, or hold, the trainable parameters: it receives ``params``);
+- ``releasing``/``stopping``/``save_due`` are answered from the coordinator's flags, as
+  ``DataParallelSync`` does from rank 0's, so every site saves at the same step;
+- ``agree_checkpoint`` names the checkpoint of the last completed round (every site restores the
+  same one), ``gather_rng`` returns None (each site keeps its own generators), ``barrier`` waits
+  for the round, ``writes``/``saves_alone`` are true on the process that records the run.
+The loop needs nothing else: it never asks which kind it was given.
 """
 
 from __future__ import annotations
