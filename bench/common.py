@@ -122,6 +122,19 @@ def warm_caches(job_path: Path) -> dict:
             "pad_id": p.tokenizer.pad_token_id, "seconds": time.perf_counter() - started}
 
 
+def lora_model(folder: Path):
+    """The bench's LoRA model, built the same way on every side (the seed fixes the LoRA init)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+    model.config.use_cache = False
+    torch.manual_seed(SEED)
+    return get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=list(TARGETS),
+                                            bias="none", task_type="CAUSAL_LM"))
+
+
 def batch_order(n_examples: int, steps: int, batch: int = BATCH, seed: int = SEED) -> list[list[int]]:
     """The example indices of every step, exactly as lodger's sampler draws them."""
     from lodger.data import Sampler

@@ -35,9 +35,8 @@ def plain_child(steps: int, out: Path) -> None:
     import math
 
     import torch
-    from peft import LoraConfig, get_peft_model
     from torch.optim.lr_scheduler import LambdaLR
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from lodger.data import collate, read_jsonl, tokenize
     from lodger.model import model_folder, resolve_source, tokenizer_hash
@@ -46,12 +45,7 @@ def plain_child(steps: int, out: Path) -> None:
     folder = model_folder(resolve_source(common.MODEL_ALIAS))
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     data = tokenize(read_jsonl(common.train_data()), tokenizer, tokenizer_hash(folder), common.MAX_LENGTH)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
-    model.config.use_cache = False
-    torch.manual_seed(common.SEED)
-    model = get_peft_model(model, LoraConfig(r=common.RANK, lora_alpha=common.ALPHA, lora_dropout=0.0,
-                                             target_modules=list(common.TARGETS), bias="none",
-                                             task_type="CAUSAL_LM"))
+    model = common.lora_model(folder)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=common.LR, weight_decay=0.0, fused=True)
     floor = common.MIN_LR_RATIO

@@ -89,8 +89,7 @@ keep_last = 2
 # -- the Trainer's side (a child process) ---------------------------------------------------------
 def trainer_child(args) -> None:
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorWithFlattening, Trainer,
+    from transformers import (AutoTokenizer, DataCollatorWithFlattening, Trainer,
                               TrainerCallback, TrainingArguments)
 
     from lodger.data import collate, read_jsonl, tokenize
@@ -101,12 +100,7 @@ def trainer_child(args) -> None:
     folder = model_folder(resolve_source(common.MODEL_ALIAS))
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     data = tokenize(read_jsonl(args.train), tokenizer, tokenizer_hash(folder), args.max_length)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
-    model.config.use_cache = False
-    torch.manual_seed(common.SEED)
-    model = get_peft_model(model, LoraConfig(r=common.RANK, lora_alpha=common.ALPHA, lora_dropout=0.0,
-                                             target_modules=list(common.TARGETS), bias="none",
-                                             task_type="CAUSAL_LM"))
+    model = common.lora_model(folder)
 
     class Examples(torch.utils.data.Dataset):
         def __len__(self):

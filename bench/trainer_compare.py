@@ -31,8 +31,7 @@ import common  # noqa: E402
 
 def trainer_child(steps: int, out: Path) -> None:
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
     from lodger.data import collate, read_jsonl, tokenize
     from lodger.model import model_folder, quiet_transformers, resolve_source, tokenizer_hash
@@ -42,12 +41,7 @@ def trainer_child(steps: int, out: Path) -> None:
     folder = model_folder(resolve_source(common.MODEL_ALIAS))
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     data = tokenize(read_jsonl(common.train_data()), tokenizer, tokenizer_hash(folder), common.MAX_LENGTH)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
-    model.config.use_cache = False
-    torch.manual_seed(common.SEED)
-    model = get_peft_model(model, LoraConfig(r=common.RANK, lora_alpha=common.ALPHA, lora_dropout=0.0,
-                                             target_modules=list(common.TARGETS), bias="none",
-                                             task_type="CAUSAL_LM"))
+    model = common.lora_model(folder)
     ordered = [i for batch in common.batch_order(len(data), steps) for i in batch]
 
     class Examples(torch.utils.data.Dataset):

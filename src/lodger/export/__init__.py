@@ -32,6 +32,17 @@ def parse_formats(values: tuple[str, ...] | list[str]) -> list[str]:
     return [f for f in FORMATS if f in wanted]
 
 
+def publish(tmp: Path, dest: Path) -> None:
+    """Make the finished export folder ``tmp`` appear whole at ``dest``: synced first, ``dest``
+    checked again (someone may have written there meanwhile; an empty folder may be replaced), then
+    one rename."""
+    fsync_tree(tmp)
+    check_dest(dest)
+    if dest.exists():
+        dest.rmdir()
+    os.rename(tmp, dest)
+
+
 def check_dest(dest: Path) -> None:
     if dest.is_file() or dest.is_symlink():
         raise ExportError(f"{dest} is an existing file; choose a new folder name")
@@ -96,11 +107,7 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
 
         manifest = write_manifest(tmp, run_id=run["id"], formats=formats, ledger_head=head,
                                   extra={"outtype": outtype} if "gguf" in formats else {})
-        fsync_tree(tmp)
-        check_dest(dest)  # again: someone may have written there meanwhile
-        if dest.exists():
-            dest.rmdir()
-        os.rename(tmp, dest)
+        publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

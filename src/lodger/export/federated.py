@@ -33,7 +33,7 @@ def export_federated(job_id: str, dest: Path, say: Callable[[str], None] = lambd
     from ..federated.evaluate import round_records
     from ..federated.rounds import RoundStore
     from ..ledger import Ledger
-    from . import check_dest, fsync_tree
+    from . import check_dest, publish
     from .manifest import write_manifest
 
     dest = Path(dest)
@@ -54,11 +54,7 @@ def export_federated(job_id: str, dest: Path, say: Callable[[str], None] = lambd
         (tmp / "README.md").write_text(_card(job_id, latest.round, records))
         manifest = write_manifest(tmp, run_id=f"federated:{job_id}", formats=["peft"], ledger_head=head,
                                   extra={"federated_rounds": [round_summary(r) for r in records]})
-        fsync_tree(tmp)
-        check_dest(dest)
-        if dest.exists():
-            dest.rmdir()
-        os.rename(tmp, dest)
+        publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

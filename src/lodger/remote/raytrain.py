@@ -45,16 +45,11 @@ def wanted(job) -> bool:
 
 def start(run_id: str, job_path: Path) -> str:
     """In the Ray job's driver: create or find the run, train it on Ray Train workers; the final status."""
-    from ..errors import RunNotFound
     from ..ledger import Ledger
     from ..run import create_run, resume_prepared
 
     with Ledger() as ledger:
-        try:
-            ledger.run(run_id)
-            resuming = True
-        except RunNotFound:
-            resuming = False
+        resuming = ledger.has_run(run_id)
     if resuming:
         prepared = resume_prepared(run_id)
     else:

@@ -133,17 +133,12 @@ def start(run_id: str, job_path: Path) -> str:
     """Train in this home: the first start creates the run under the local run's id, every later
     start (on a shared folder, where the home persists) resumes it from its newest good checkpoint."""
     from .. import durable
-    from ..errors import RunNotFound
     from ..home import run_dir
     from ..ledger import Ledger
     from ..run import create_run, execute, resume_prepared
 
     with Ledger() as ledger:
-        try:
-            ledger.run(run_id)
-            exists = True
-        except RunNotFound:
-            exists = False
+        exists = ledger.has_run(run_id)
     if exists:
         return execute(run_id, resume_prepared(run_id), resuming=True, quiet=True)
     if run_dir(run_id).exists():  # a first start that died between its folder and its ledger row
