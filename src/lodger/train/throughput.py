@@ -51,8 +51,12 @@ def flops_per_second(threads: int | None = None, precision: str = "fp32", second
     size = 4096 if cuda else 1024  # a GPU needs big matrices to reach its rate
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
-        a = torch.randn(size // 2, size, dtype=dtype, device=device)
-        b = torch.randn(size, size, dtype=dtype, device=device)
+        # Its own generator: this may run between two training steps, and drawing from the global
+        # one would shift every later dropout mask (a run that measured would differ from one that
+        # found the rate cached).
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(size // 2, size, dtype=dtype, device=device, generator=g)
+        b = torch.randn(size, size, dtype=dtype, device=device, generator=g)
         torch.mm(a, b)  # warm-up: first call picks kernels
         sync()
         flops, started = 0.0, time.perf_counter()
