@@ -127,6 +127,11 @@ def flwr_bin(name: str) -> str:
 def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["FLWR_HOME"] = str(Path(home) / "flwr")
+    # Flower's processes start their helpers by name (the SuperLink runs `flower-superexec`, the
+    # SuperNode `flwr-clientapp`): they must find this virtualenv's, even when it is not on PATH
+    # (`make test`, a `lodger` run by its full path).
+    here = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([here] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != here])
     env.update(extra or {})
     Path(env["FLWR_HOME"]).mkdir(parents=True, exist_ok=True, mode=0o700)
     return env
