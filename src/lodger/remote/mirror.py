@@ -46,12 +46,19 @@ class Mirror:
             return
         if not self.store.local:
             self._pull_requests()  # first: a pause should not wait behind uploads
+        # The ledger is read before the files go up, so a batch never claims what is not in
+        # storage yet: training commits a checkpoint before its ledger event, and a run records
+        # `finished` after its last checkpoint and adapter (read the other way round, a sync could
+        # see `finished` while the last checkpoint was still on its way).
+        snapshot = self._read_ledger()
+        if not self.store.local:
             self._push_checkpoints()
             self._push_files()
-        self._push_batch()
+        self._push_batch(*snapshot)
 
     # -- the event log -------------------------------------------------------------------------
-    def _push_batch(self) -> None:
+    def _read_ledger(self) -> tuple[dict, list[dict], list[dict]]:
+        """The run row, and the events and metric rows not pushed yet."""
         from ..ledger import Ledger
 
         with Ledger(self.home / "ledger.db") as ledger:
@@ -59,6 +66,9 @@ class Mirror:
             events = [e for e in ledger.events(self.run_id) if e["seq"] > self.ledger_seq]
             rows = [r for kind in ("train", "eval") for r in ledger.metrics(self.run_id, kind)
                     if (r["segment"], r["step"]) > self.marks.get(kind, (-1, -1))]
+        return run, events, rows
+
+    def _push_batch(self, run: dict, events: list[dict], rows: list[dict]) -> None:
         batch: dict = {}
         if events:
             batch["events"] = [{k: e[k] for k in ("seq", "time", "kind", "data")} for e in events]
