@@ -350,18 +350,23 @@ def test_remote_pause_resume_and_cancel(ray_head, e2e_data, tiny_model_dir, lodg
     assert [r["step"] for r in read_metrics(remote) if r["kind"] == "train"][-1] < 2000
 
 
+def _assert_equal_to_two_ranks_here(local: Path, info: dict, ddp_baseline: dict) -> None:
+    """A synced two-rank run: its last checkpoint is the last step, holds both ranks' state, and its
+    records and adapter are bitwise those of the same job trained with two ranks here."""
+    assert info["checkpoints"][-1] == f"step-{TOTAL_STEPS:08d}", info
+    assert train_records(local) == ddp_baseline["records"]
+    assert final_adapter_bytes(local) == ddp_baseline["adapter"]
+    manifest = json.loads((local / "checkpoints" / info["checkpoints"][-1] / "MANIFEST.json").read_text())
+    assert manifest["world_size"] == 2 and "rng-rank-1.json" in manifest["files"]
+
+
 def test_two_ranks_under_ray_end_bitwise_equal_to_two_ranks_here(ray_head, ddp_job, ddp_baseline, lodger_home,
                                                                  tmp_path):
     # world_size = 2 on the cluster: the Ray job's worker runs torchrun itself, as `lodger run` does here.
     env = lodger_env(lodger_home, **RAY_ENV)
     run_id = _submit_through_gate(ddp_job, ray_head, env, tmp_path)
     info = _wait_synced(run_id, env, ("finished",))
-    local = run_dir_of(run_id, env)
-    assert info["checkpoints"][-1] == f"step-{TOTAL_STEPS:08d}", info
-    assert train_records(local) == ddp_baseline["records"]
-    assert final_adapter_bytes(local) == ddp_baseline["adapter"]
-    manifest = json.loads((local / "checkpoints" / info["checkpoints"][-1] / "MANIFEST.json").read_text())
-    assert manifest["world_size"] == 2 and "rng-rank-1.json" in manifest["files"]
+    _assert_equal_to_two_ranks_here(run_dir_of(run_id, env), info, ddp_baseline)
 
 
 def test_two_ray_train_workers_killed_and_resumed_end_bitwise_equal_to_two_ranks_here(
@@ -403,9 +408,4 @@ def test_two_ray_train_workers_killed_and_resumed_end_bitwise_equal_to_two_ranks
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{ray_log()}") from None
     assert info["ray_status"] == "SUCCEEDED" and info["submission_id"].endswith("-s1"), info
-    local = run_dir_of(run_id, env)
-    assert info["checkpoints"][-1] == f"step-{TOTAL_STEPS:08d}", info
-    assert train_records(local) == ddp_baseline["records"]
-    assert final_adapter_bytes(local) == ddp_baseline["adapter"]
-    manifest = json.loads((local / "checkpoints" / info["checkpoints"][-1] / "MANIFEST.json").read_text())
-    assert manifest["world_size"] == 2 and "rng-rank-1.json" in manifest["files"]
+    _assert_equal_to_two_ranks_here(run_dir_of(run_id, env), info, ddp_baseline)
