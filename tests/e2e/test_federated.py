@@ -79,6 +79,19 @@ def _round_run_status(home: Path, record: Path) -> str | None:
     return row[0] if row else None
 
 
+def _frozen(node: processes.Started) -> bool:
+    """A process of this SuperNode's tree stopped itself (the ``:stop`` fault)."""
+    import psutil
+
+    def stopped(proc) -> bool:
+        try:
+            return proc.status() == psutil.STATUS_STOPPED
+        except psutil.Error:
+            return False
+
+    return any(stopped(proc) for proc in node.tree())
+
+
 def _events(home: Path, kind: str) -> list[dict]:
     from lodger.ledger import Ledger
 
@@ -117,9 +130,12 @@ def test_two_clients_three_rounds_survive_a_server_kill_and_match_the_reference(
         server = _start_server(tmp_path, port)
         started.append(server)
         for name, home in homes.items():
+            # Bob's ClientApp freezes itself (SIGSTOP) in the last round, after its first local step
+            # is committed and before the second's: the client kill below lands mid-round for sure.
+            freeze = {"LODGER_FAULT": "before_rename@2:stop", "LODGER_FAULT_ROUND": str(ROUNDS)}
             started.append(processes.start_supernode(
                 home, superlink, {"lodger-home": str(home), "client-id": name, "dataset": f"{name}-notes",
-                                  "job": str(job)}))
+                                  "job": str(job)}, env=freeze if name == "bob" else None))
         server_home = tmp_path / "home-server"
         _submit(tmp_path, superlink, job)
         # The power cut: once round 1 is committed, the whole server side (SuperLink and the
@@ -133,14 +149,16 @@ def test_two_clients_three_rounds_survive_a_server_kill_and_match_the_reference(
         server = _start_server(tmp_path, port)
         started.append(server)
         flower_run = _submit(tmp_path, superlink, job)
-        # A client's power cut mid-round: once bob's local run of the last round exists, his
-        # SuperNode and its ClientApp die at once. Flower marks the node unavailable (no heartbeat),
-        # the round is short of min_clients and asked again; bob's restarted SuperNode rejoins and
-        # finishes that round's local run (interrupted_client = "finish"), so the result is unchanged.
+        # A client's power cut mid-round: once bob's local run of the last round is frozen between
+        # its two steps, his SuperNode and its ClientApp die at once. Flower marks the node
+        # unavailable (no heartbeat), the round is short of min_clients and asked again; bob's
+        # restarted SuperNode (without the fault) rejoins and finishes that round's local run
+        # (interrupted_client = "finish"), so the result is unchanged.
         bob_record = homes["bob"] / "federated" / "fedjob" / "client" / f"round-{ROUNDS:06d}.json"
-        wait_until(lambda: _round_run_status(homes["bob"], bob_record) == "running", 900, server.process,
-                   what=f"bob's local run of round {ROUNDS} training", interval=0.1)
         bob_node = started[1 + CLIENTS.index("bob")]
+        wait_until(lambda: _round_run_status(homes["bob"], bob_record) == "running" and _frozen(bob_node), 900,
+                   server.process, what=f"bob's local run of round {ROUNDS} frozen after its first step",
+                   interval=0.1)
         bob_node.kill()
         started.append(processes.start_supernode(
             homes["bob"], superlink, {"lodger-home": str(homes["bob"]), "client-id": "bob", "dataset": "bob-notes",

@@ -105,6 +105,9 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
     from ..run import create_run, execute, resume_prepared
     from ..runlock import is_locked
 
+    from ..faults import in_round
+
+    in_round(order.round)
     settle_abandoned(order.job_id, order.round)
     earlier = _earlier_run(order.job_id, order)
     if earlier is not None and run_dir(earlier).is_dir():
