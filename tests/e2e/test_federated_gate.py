@@ -159,7 +159,8 @@ def test_the_gate_then_a_held_owner_declines_and_the_round_goes_on_with_the_othe
 
     assert round_1["started_from"] == sent["received"]["sha256"] != tensors_sha256({})
     assert round_1["participants"][0]["sha256"] == sent["sent"]["sha256"] != round_1["sha256"]
-    run_id = json.loads((home / "federated" / "fedjob" / "client" / "round-000001.json").read_text())["run_id"]
+    record = home / "federated" / sent["job_id"] / "client" / "round-000001.json"
+    run_id = json.loads(record.read_text())["run_id"]
     trained = safetensors_tensors((home / "runs" / run_id / "adapter" / "adapter_model.safetensors").read_bytes())
     assert tensors_sha256(trained) != sent["sent"]["sha256"]
     assert sent["privacy"]["clipping"] == "flwr LocalDpMod to L2 norm 0.5"

@@ -188,11 +188,13 @@ def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committ
                          moved_to=aside.name)
 
         current = store.latest(on_damaged=damaged)
-        config_bytes = adapter_config(job)
+        # adapter_config imports peft (and so torch): made at the first commit, while the clients'
+        # first round has already been asked, not before it (a round's cost, measured in bench/).
+        config_bytes = _Once(lambda: adapter_config(job))
         if current.round == 0 and job.federated.privacy.clip_norm:
             from .privacy import initial_adapter  # Flower's clipping mods need the update's start
 
-            current = Committed(0, initial_adapter(job, Path(str(run_config.get("job")))), config_bytes, {})
+            current = Committed(0, initial_adapter(job, Path(str(run_config.get("job")))), b"", {})
         ledger.event(None, "federated_server_started", job_id=job_id, resumed_after_round=current.round,
                      rounds=job.federated.rounds, flower_run=flower_run,
                      settings=job.federated.model_dump(mode="json"),
@@ -226,7 +228,19 @@ def take_job(folder: Path, patience: float = 120.0):
             time.sleep(1.0)  # bounded wait for the other process to end
 
 
-def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: RoundStore, config_bytes: bytes,
+class _Once:
+    """A value made on first use (then kept)."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __call__(self) -> bytes:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+
+def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: RoundStore, config_bytes,
               ledger, roster: Roster | None = None) -> Committed:
     """Ask round ``current.round + 1`` until enough clients answer, then aggregate and commit it."""
     round_no, fed = current.round + 1, job.federated
@@ -240,6 +254,7 @@ def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: Roun
         raise FederatedError(f"round {round_no}: fewer than {fed.min_clients} clients answered in "
                              f"{MAX_SHORT_ROUNDS} attempts; the run stops at round {current.round}")
     privacy = fed.privacy.model_dump() if fed.privacy.noise_multiplier else None
+    config_bytes = config_bytes() if callable(config_bytes) else config_bytes
     return commit_round(job_id, round_no, good, declined, current, store, config_bytes, ledger, fed.aggregation,
                         privacy=privacy, seed=job.training.seed)
 
