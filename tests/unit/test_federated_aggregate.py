@@ -109,6 +109,25 @@ def test_rounds_commit_with_the_checkpoint_contract_and_a_damaged_one_falls_back
         RoundStore("../x", root=tmp_path)
 
 
+def test_a_round_committed_but_not_recorded_is_recorded_at_the_next_start(tmp_path):
+    """The server died between a round's commit and its ledger event: the restart writes the event."""
+    from lodger.federated.rounds import RoundStore
+    from lodger.federated.server import record_unrecorded
+    from lodger.ledger import Ledger
+
+    store = RoundStore("job-1", root=tmp_path)
+    for n in (1, 2):
+        store.commit(n, _adapter(n), b"{}", {"round": n, "job_id": "job-1", "participants": [], "sha256": str(n)})
+    with Ledger(tmp_path / "ledger.db") as ledger:
+        ledger.event(None, "federated_round", round=1, job_id="job-1", participants=[], sha256="1")
+        ledger.event(None, "federated_round", round=2, job_id="other-job", participants=[], sha256="x")
+        assert record_unrecorded(ledger, store, "job-1", 2) == [2]
+        assert record_unrecorded(ledger, store, "job-1", 2) == []  # once
+        rounds = [e["data"] for e in ledger.events_of_kinds(("federated_round",)) if e["data"]["job_id"] == "job-1"]
+    assert [(r["round"], r.get("recorded_after_restart")) for r in rounds] == [(1, None), (2, True)]
+    assert rounds[1]["sha256"] == "2"
+
+
 def test_the_federated_section_is_typed_and_refuses_what_cannot_work():
     from pydantic import ValidationError
 

@@ -188,6 +188,7 @@ def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committ
                          moved_to=aside.name)
 
         current = store.latest(on_damaged=damaged)
+        record_unrecorded(ledger, store, job_id, current.round)
         # adapter_config imports peft (and so torch): made at the first commit, while the clients'
         # first round has already been asked, not before it (a round's cost, measured in bench/).
         config_bytes = _Once(lambda: adapter_config(job))
@@ -208,6 +209,24 @@ def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committ
     finally:
         ledger.close()
         lock.release()
+
+
+def record_unrecorded(ledger, store: RoundStore, job_id: str, up_to: int) -> list[int]:
+    """Committed rounds without their `federated_round` event: a server killed between a round's
+    commit and its ledger event. The round is committed (it counts and is not asked again), so its
+    record is written now from its round.json, marked `recorded_after_restart`."""
+    recorded = {int(e["data"].get("round", 0)) for e in ledger.events_of_kinds(("federated_round",))
+                if e["data"].get("job_id") == job_id}
+    missing = sorted(r for r in store.rounds() if r <= up_to and r not in recorded)
+    from ..errors import LodgerError
+
+    for round_no in missing:
+        try:
+            state = store.state_of(round_no)
+        except (LodgerError, OSError, ValueError):
+            continue  # a damaged older round: its files say nothing trustworthy to record
+        ledger.event(None, "federated_round", **state, recorded_after_restart=True)
+    return missing
 
 
 def take_job(folder: Path, patience: float = 120.0):
