@@ -13,6 +13,9 @@ the federated run from `flwr run` to the server's `federated_finished` event, ov
 the centralized run's wall time (`lodger run` as a child process) over the same number of rounds'
 worth of steps. The overhead per round is the federated round's wall time minus the slowest
 client's training time in that round (each client's round run's own wall seconds), averaged.
+It also prints where a round's seconds go: the mean of each stage the clients record with every
+round (`seconds` of `federated_client_round`, federated/client.py STAGES), and the rest of the
+round outside the ClientApp process (Flower's polling and transport, the server's side).
 
 Default size is small (the tiny random Llama of the tests, 3 rounds of 2 local steps); `--model`
 takes a model folder or alias (e.g. smollm2-135m-instruct) for real numbers. State goes under
