@@ -55,3 +55,22 @@ def test_the_identity_query_round_trips_and_a_bad_name_is_refused():
         read_identity(identity_reply("../../etc"), 5)
     with pytest.raises(FederatedError, match="lacks"):
         read_identity(identity_content(), 5)
+
+
+def test_lodgers_clientapp_answers_the_identity_query_with_its_client_id_only(monkeypatch):
+    """The real ClientApp (its mods included) on a `query` message: no training, no torch."""
+    from flwr.app import Context, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from lodger.federated.client import app
+
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    query = Message(identity_content(), dst_node_id=1, message_type="query")
+    context = Context(run_id=1, node_id=1, node_config={"client-id": "clinic-a"}, state=RecordDict(), run_config={})
+    reply = app(message=query, context=context)
+    assert not reply.has_error() and read_identity(reply.content, 1) == "clinic-a"
+    assert list(reply.content.keys()) == ["who"]
+    bad = Context(run_id=1, node_id=1, node_config={"client-id": "../x"}, state=RecordDict(), run_config={})
+    with pytest.raises(FederatedError, match="client-id"):  # Flower's runtime turns it into an error reply
+        app(message=query, context=bad)
