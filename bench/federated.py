@@ -13,6 +13,9 @@ the federated run from `flwr run` to the server's `federated_finished` event, ov
 the centralized run's wall time (`lodger run` as a child process) over the same number of rounds'
 worth of steps. The overhead per round is the federated round's wall time minus the slowest
 client's training time in that round (each client's round run's own wall seconds), averaged.
+It also prints where a round's seconds go: the mean of each stage the clients record with every
+round (`seconds` of `federated_client_round`, federated/client.py STAGES), and the rest of the
+round outside the ClientApp process (Flower's polling and transport, the server's side).
 
 Default size is small (the tiny random Llama of the tests, 3 rounds of 2 local steps); `--model`
 takes a model folder or alias (e.g. smollm2-135m-instruct) for real numbers. State goes under
@@ -103,8 +106,9 @@ def eval_loss(model_folder: Path, adapter: Path, eval_file: Path, max_length: in
     return total / count
 
 
-def federated(root: Path, model: str, shards: dict[str, Path], args) -> tuple[Path, float, list[float]]:
-    """Run the federation; return (global adapter folder, wall seconds, per-round overhead seconds)."""
+def federated(root: Path, model: str, shards: dict[str, Path], args) -> tuple[Path, float, list[float], dict]:
+    """Run the federation; return (global adapter folder, wall seconds, per-round overhead seconds,
+    where the seconds went: the mean per stage of a client's round and the rest of the round)."""
     from lodger.compare import total_compute
     from lodger.federated import processes
 
@@ -139,16 +143,23 @@ def federated(root: Path, model: str, shards: dict[str, Path], args) -> tuple[Pa
     overheads, previous = [], t0
     from lodger.ledger import Ledger
 
+    stages: dict[str, list[float]] = {}
     for event in rounds:
-        slowest = 0.0
+        slowest, slowest_process = 0.0, 0.0
         for home in homes.values():
             with Ledger(home / "ledger.db") as ledger:
                 for e in ledger.events_of_kinds(("federated_client_round",)):
                     if e["data"].get("round") == event["data"]["round"] and e["run_id"]:
                         slowest = max(slowest, total_compute(ledger.events(e["run_id"]))["wall_seconds"])
+                        seconds = e["data"].get("seconds") or {}
+                        slowest_process = max(slowest_process, sum(seconds.values()))
+                        for name, value in seconds.items():
+                            stages.setdefault(name, []).append(value)
         overheads.append((event["time"] - previous) - slowest)
+        stages.setdefault("outside_the_clientapp", []).append((event["time"] - previous) - slowest_process)
         previous = event["time"]
-    return server_home / "federated" / "fedbench" / "adapter", wall, overheads
+    breakdown = {name: sum(values) / len(values) for name, values in stages.items()}
+    return server_home / "federated" / "fedbench" / "adapter", wall, overheads, breakdown
 
 
 def centralized(root: Path, model: str, union: Path, args) -> tuple[Path, float]:
@@ -187,8 +198,11 @@ def main() -> None:
     eval_file = write_chat_jsonl(root / "eval.jsonl", 16, seed=99)
     print(f"# load average {os.getloadavg()[0]:.2f}; {len(CLIENTS)} clients x {args.rounds} rounds x "
           f"{args.local_steps} local steps, batch {args.batch}; model {args.model or 'tiny random Llama'}")
-    fed_adapter, fed_wall, overheads = federated(root, model, shards, args)
+    fed_adapter, fed_wall, overheads, breakdown = federated(root, model, shards, args)
     print(f"# federated: {fed_wall:.1f} s for {args.rounds} rounds")
+    print("# a round's seconds (mean over clients and rounds; outside_the_clientapp: the round's wall time minus "
+          "the slowest ClientApp process, i.e. Flower's process start-up before Python runs, its polling and "
+          "transport, the server's aggregation and commit): " + ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items()))
     central_adapter, central_wall = centralized(root, model, union, args)
     print(f"# centralized: {central_wall:.1f} s for {len(CLIENTS) * args.rounds * args.local_steps} steps")
     from lodger.model import model_folder, resolve_source

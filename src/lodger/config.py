@@ -222,19 +222,32 @@ class FederatedPrivacyConfig(Section):
     """[federated.privacy]: optional update protection that Flower provides, recorded with the run."""
 
     clip_norm: Float | None = Field(None, gt=0)
-    """Clip each client's adapter update (new minus received, all tensors together) to this L2 norm
-    before it leaves (Flower's client-side fixed clipping); left out, updates are not clipped."""
+    """Clip each client's adapter update (its adapter minus the round's global one, all tensors
+    together) to this L2 norm before it leaves, with Flower's `fixedclipping_mod` on the client (or
+    Flower's `LocalDpMod` when `local_epsilon` is set); left out, updates are not clipped."""
     noise_multiplier: Float = Field(0.0, ge=0)
-    """Gaussian noise added by each client to its clipped update, with standard deviation
-    noise_multiplier * clip_norm (differential privacy); 0 adds none. Needs `clip_norm`."""
+    """Central differential privacy (Flower's client-side fixed clipping recipe): the server adds
+    Gaussian noise to each round's aggregate with standard deviation noise_multiplier * clip_norm *
+    the largest client's FedAvg weight (clip_norm / n for n equal clients, Flower's `compute_stdv`).
+    The server sees each clipped update without noise. 0 adds none. Needs `clip_norm`."""
+    local_epsilon: Float | None = Field(None, gt=0)
+    """Local differential privacy: each client adds Gaussian noise to its clipped update before it
+    leaves, with Flower's `LocalDpMod` (sensitivity clip_norm, this epsilon and `local_delta`), so
+    the server never sees an update without noise. Needs `clip_norm` and `local_delta`."""
+    local_delta: Float | None = Field(None, gt=0, lt=1)
+    """The delta of `local_epsilon` (the chance the guarantee fails), e.g. 1e-5."""
     secure_aggregation: bool = False
     """Mask updates so the server sees only their sum (Flower's SecAgg+). Not supported: a job asking
     for it is refused rather than run without it (why: federated/plan.py SECAGG_REFUSAL)."""
 
     @model_validator(mode="after")
     def _noise_needs_clip(self) -> "FederatedPrivacyConfig":
-        if self.noise_multiplier > 0 and self.clip_norm is None:
-            raise ValueError("noise_multiplier needs clip_norm (the noise is scaled by it): add `clip_norm = ...`")
+        if (self.noise_multiplier > 0 or self.local_epsilon is not None) and self.clip_norm is None:
+            raise ValueError("noise_multiplier and local_epsilon need clip_norm (the noise is scaled by it): add "
+                             "`clip_norm = ...`")
+        if (self.local_epsilon is None) != (self.local_delta is None):
+            raise ValueError("local_epsilon and local_delta go together (Flower's LocalDpMod needs both): add the "
+                             "missing one, e.g. `local_delta = 1e-5`")
         return self
 
 

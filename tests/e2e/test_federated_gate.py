@@ -77,6 +77,9 @@ def test_the_gate_then_a_held_owner_declines_and_the_round_goes_on_with_the_othe
                     extra={"federated": {"rounds": 1, "local_steps": 1, "min_clients": 1},
                            "remote": {"wall_hours": 1.0}, "limits": {"max_compute_hours": 2.0},
                            "policy": {"enabled": False}})
+    # Flower's protection, all of it: LocalDpMod on the client, central noise on the aggregate.
+    job.write_text(job.read_text() + "\n[federated.privacy]\nclip_norm = 0.5\nnoise_multiplier = 1.0\n"
+                   "local_epsilon = 4.0\nlocal_delta = 1e-5\n")
     # 1. may leave, may not federate: refused before anything starts, the fix named, on the record.
     refused = lodger(["federate", job, "--dataset", "clinic-a", "--server", DISCARD, "--insecure", "--approve"], home,
                      ok=False)
@@ -98,7 +101,9 @@ def test_the_gate_then_a_held_owner_declines_and_the_round_goes_on_with_the_othe
     assert "1 round(s) of 1 local step(s)" in declined.stdout
     for line in ("rounds                    1", "wall_hours                1", "compute_hours_per_client  2"):
         assert line in declined.stdout, declined.stdout
-    assert "update protection: client-side off" in declined.stdout
+    assert ("update protection: flwr LocalDpMod to L2 norm 0.5 on each client; noise: local: flwr LocalDpMod "
+            "(epsilon 4, delta 1e-05); central: the server adds Gaussian noise x1 to the aggregate") in declined.stdout
+    assert "reproducible: bitwise on the same machines" in declined.stdout, declined.stdout
     assert not (home / "federated").exists()
 
     # 3. approved: two owners' SuperNodes join a real SuperLink (bob's owner holds his machine);
@@ -145,6 +150,22 @@ def test_the_gate_then_a_held_owner_declines_and_the_round_goes_on_with_the_othe
     [declined_by_bob] = events(bob, "federated_round_declined")
     assert declined_by_bob["round"] == 1 and declined_by_bob["reason"].startswith("the owner holds this machine")
     assert events(bob, "federated_client_round") == [] and len(events(home, "federated_client_round")) == 1
+    # the protection ran in the real ClientApp and ServerApp: round 1 started from the job's seeded
+    # adapter (Flower's mods need the start), what alice sent is what the server got (hashed after
+    # LocalDpMod), it is not what she trained (noise), and the aggregate has the central noise on it.
+    [sent] = events(home, "federated_client_round")
+    from lodger.federated.aggregate import tensors_sha256
+    from lodger.federated.rounds import safetensors_tensors
+
+    assert round_1["started_from"] == sent["received"]["sha256"] != tensors_sha256({})
+    assert round_1["participants"][0]["sha256"] == sent["sent"]["sha256"] != round_1["sha256"]
+    record = home / "federated" / sent["job_id"] / "client" / "round-000001.json"
+    run_id = json.loads(record.read_text())["run_id"]
+    trained = safetensors_tensors((home / "runs" / run_id / "adapter" / "adapter_model.safetensors").read_bytes())
+    assert tensors_sha256(trained) != sent["sent"]["sha256"]
+    assert sent["privacy"]["clipping"] == "flwr LocalDpMod to L2 norm 0.5"
+    assert round_1["privacy"] == {"central_noise_stdv": 0.5, "effective_clients": 1.0}
+    assert set(sent["seconds"]) >= {"model_load", "local_steps", "record_and_reply"}
     status = lodger(["status"], bob).stdout
     assert "fedjob.clinic-b  HELD by the owner" in status and "0 round(s) taken" in status \
         and "1 declined (last: round 1: the owner holds" in status, status

@@ -109,6 +109,25 @@ def test_rounds_commit_with_the_checkpoint_contract_and_a_damaged_one_falls_back
         RoundStore("../x", root=tmp_path)
 
 
+def test_a_round_committed_but_not_recorded_is_recorded_at_the_next_start(tmp_path):
+    """The server died between a round's commit and its ledger event: the restart writes the event."""
+    from lodger.federated.rounds import RoundStore
+    from lodger.federated.server import record_unrecorded
+    from lodger.ledger import Ledger
+
+    store = RoundStore("job-1", root=tmp_path)
+    for n in (1, 2):
+        store.commit(n, _adapter(n), b"{}", {"round": n, "job_id": "job-1", "participants": [], "sha256": str(n)})
+    with Ledger(tmp_path / "ledger.db") as ledger:
+        ledger.event(None, "federated_round", round=1, job_id="job-1", participants=[], sha256="1")
+        ledger.event(None, "federated_round", round=2, job_id="other-job", participants=[], sha256="x")
+        assert record_unrecorded(ledger, store, "job-1", 2) == [2]
+        assert record_unrecorded(ledger, store, "job-1", 2) == []  # once
+        rounds = [e["data"] for e in ledger.events_of_kinds(("federated_round",)) if e["data"]["job_id"] == "job-1"]
+    assert [(r["round"], r.get("recorded_after_restart")) for r in rounds] == [(1, None), (2, True)]
+    assert rounds[1]["sha256"] == "2"
+
+
 def test_the_federated_section_is_typed_and_refuses_what_cannot_work():
     from pydantic import ValidationError
 
@@ -119,7 +138,8 @@ def test_the_federated_section_is_typed_and_refuses_what_cannot_work():
     assert job.federated.rounds == 4 and job.federated.aggregation == "fedavg"
     assert job.federated.interrupted_client == "finish"
     for bad, words in (({"method": {"kind": "full"}, "federated": {}}, "full weights"),
-                       ({"federated": {"privacy": {"noise_multiplier": 1.0}}}, "needs clip_norm"),
+                       ({"federated": {"privacy": {"noise_multiplier": 1.0}}}, "need clip_norm"),
+                       ({"federated": {"privacy": {"clip_norm": 1.0, "local_epsilon": 1.0}}}, "go together"),
                        ({"federated": {"min_clients": 3, "clients_per_round": 2}}, "below min_clients"),
                        ({"federated": {"aggregation": "median"}}, "fedavg"),
                        ({"federated": {"interrupted_client": "maybe"}}, "finish")):
@@ -141,33 +161,83 @@ def test_insecure_transport_only_on_loopback_and_node_config_is_quoted():
         node_config_arg({"bad key": 1})
 
 
-def test_update_protection_clips_the_update_and_its_noise_is_seeded():
-    from lodger.federated.client import protect
+@pytest.fixture
+def flower_task(monkeypatch):
+    """Flower's message constructors read the task's identity (set by its runtime in a real app)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1)
+
+
+def _through_mod(mod, start, trained, clipping_norm=0.5, round_no=2):
+    """A round message through a ClientApp mod whose app replies ``trained``; the tensors that leave."""
+    from flwr.app import Context, Message, RecordDict
+
+    from lodger.federated.messages import from_record, reply_content, round_content
+
+    msg = Message(round_content(round_no, "job", 3, start, clipping_norm), dst_node_id=1, message_type="train")
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+    def app(m, c):
+        return Message(reply_content("alice", trained, tokens=5, steps=3, loss=1.0, started_from="x"), reply_to=m)
+
+    return from_record(mod(msg, context, app).content["adapter"], "reply")
+
+
+def _update_norm(sent, start):
+    return np.sqrt(sum(float(np.sum((sent[k].astype(np.float64) - start[k]) ** 2)) for k in start))
+
+
+def test_flowers_clipping_mod_clips_the_update_and_a_server_cannot_loosen_it(flower_task):
+    from lodger.federated.privacy import protect_mod
 
     start, trained = _adapter(1), _adapter(2)
-    assert protect(trained, start, {}, 0, 1, "alice") is trained  # off: untouched
-    clipped = protect(trained, start, {"clip_norm": 0.5}, 0, 1, "alice")
-    norm = np.sqrt(sum(float(np.sum((clipped[k].astype(np.float64) - start[k]) ** 2)) for k in start))
-    assert abs(norm - 0.5) < 1e-4
-    noisy = protect(trained, start, {"clip_norm": 0.5, "noise_multiplier": 1.0}, 0, 1, "alice")
-    again = protect(trained, start, {"clip_norm": 0.5, "noise_multiplier": 1.0}, 0, 1, "alice")
-    other = protect(trained, start, {"clip_norm": 0.5, "noise_multiplier": 1.0}, 0, 1, "bob")
-    assert tensors_sha256(noisy) == tensors_sha256(again) != tensors_sha256(other) != tensors_sha256(clipped)
+    assert protect_mod({}, 0, "alice", b"") is None  # off: no mod, nothing touched
+    clipping = protect_mod({"clip_norm": 0.5}, 0, "alice", b"")
+    clipped = _through_mod(clipping, start, trained)
+    assert abs(_update_norm(clipped, start) - 0.5) < 1e-4
+    assert tensors_sha256(clipped) == tensors_sha256(_through_mod(clipping, start, trained))
+    for asked in (5.0, None):  # a looser norm, or none at all: refused before the app trains
+        with pytest.raises(FederatedError, match="clip_norm = 0.5"):
+            _through_mod(clipping, start, trained, clipping_norm=asked)
 
 
-def test_the_noise_depends_on_a_secret_the_server_does_not_know(tmp_path, monkeypatch):
+def test_flowers_local_dp_noise_is_seeded_by_a_secret_the_server_does_not_know(tmp_path, monkeypatch, flower_task):
     """Seeded only by what the server knows (job seed, round, client id), the noise could be
     regenerated and subtracted by the server; each client mixes in its own kept secret."""
-    from lodger.federated.client import noise_secret, protect
+    from lodger.federated.client import noise_secret
+    from lodger.federated.privacy import protect_mod
 
     monkeypatch.setenv("LODGER_HOME", str(tmp_path))
-    start, trained = _adapter(1), _adapter(2)
-    privacy = {"clip_norm": 0.5, "noise_multiplier": 1.0}
     secret = noise_secret("job-a")
     path = tmp_path / "federated" / "job-a" / "client" / "noise-secret"
     assert len(secret) == 32 and path.stat().st_mode & 0o777 == 0o600
     assert noise_secret("job-a") == secret != noise_secret("job-b")  # kept: a round sent again is the same
-    known = protect(trained, start, privacy, 0, 1, "alice")
-    mine = protect(trained, start, privacy, 0, 1, "alice", secret)
-    assert tensors_sha256(mine) == tensors_sha256(protect(trained, start, privacy, 0, 1, "alice", secret))
-    assert tensors_sha256(mine) != tensors_sha256(known)
+    start, trained = _adapter(1), _adapter(2)
+    privacy = {"clip_norm": 0.5, "local_epsilon": 2.0, "local_delta": 1e-5}
+    mine = _through_mod(protect_mod(privacy, 0, "alice", secret), start, trained)
+    again = _through_mod(protect_mod(privacy, 0, "alice", secret), start, trained)
+    known = _through_mod(protect_mod(privacy, 0, "alice", b""), start, trained)
+    later = _through_mod(protect_mod(privacy, 0, "alice", secret), start, trained, round_no=3)
+    clipped = _through_mod(protect_mod({"clip_norm": 0.5}, 0, "alice", b""), start, trained)
+    assert tensors_sha256(mine) == tensors_sha256(again)
+    assert len({tensors_sha256(t) for t in (mine, known, later, clipped)}) == 4
+    # Flower's LocalDpMod: std = sensitivity * sqrt(2 ln(1.25/delta)) / epsilon around the clipped update
+    std = 0.5 * np.sqrt(2 * np.log(1.25 / 1e-5)) / 2.0
+    noise = np.concatenate([(mine[k].astype(np.float64) - clipped[k]).ravel() for k in sorted(mine)])
+    assert 0.8 * std < float(noise.std()) < 1.2 * std
+
+
+def test_central_noise_on_the_aggregate_is_flowers_recipe_and_seeded():
+    from lodger.federated.privacy import central_noise
+
+    aggregate = _adapter(4)
+    privacy = {"clip_norm": 0.5, "noise_multiplier": 1.0}
+    assert central_noise(aggregate, [5, 5], {"clip_norm": 0.5}, 0, 1, b"s")[0] is aggregate  # no noise asked
+    noisy, record = central_noise(aggregate, [10, 10, 10, 10], privacy, 0, 1, b"s")
+    assert record == {"central_noise_stdv": 0.5 / 4, "effective_clients": 4.0}  # Flower's compute_stdv(1, .5, 4)
+    assert tensors_sha256(noisy) == tensors_sha256(central_noise(aggregate, [10] * 4, privacy, 0, 1, b"s")[0])
+    assert tensors_sha256(noisy) != tensors_sha256(central_noise(aggregate, [10] * 4, privacy, 0, 1, b"t")[0])
+    # one client with most of the tokens moves the weighted mean most: less averaging, more noise
+    assert central_noise(aggregate, [90, 10], privacy, 0, 1, b"s")[1]["central_noise_stdv"] > 0.5 / 2

@@ -33,7 +33,11 @@ def test_protection_is_in_the_plan_and_secure_aggregation_or_a_missing_limit_is_
     job = _job(tmp_path, tiny_model_dir, {"clip_norm": 0.5, "noise_multiplier": 1.2})
     plan = fplan.check(job, "client", server="127.0.0.1:8000", insecure=True)
     summary = plan.summary()
-    assert summary["privacy"] == {"clip_norm": 0.5, "noise_multiplier": 1.2, "secure_aggregation": False}
+    mechanism = summary["privacy"].pop("mechanism")
+    assert summary["privacy"] == {"clip_norm": 0.5, "noise_multiplier": 1.2, "local_epsilon": None,
+                                  "local_delta": None, "secure_aggregation": False}
+    assert mechanism["clipping"] == "flwr fixedclipping_mod to L2 norm 0.5" and "x1.2" in mechanism["noise"]
+    assert "bitwise on the same machines" in mechanism["reproducible"]
     assert summary["limits"] == {"rounds": 4, "wall_hours": 2.0, "compute_hours_per_client": 3.0}
     assert summary["participation"] == "pj.notes" and summary["leaves_each_round"]["tensor_count"] > 0
 
@@ -48,7 +52,7 @@ def test_protection_is_in_the_plan_and_secure_aggregation_or_a_missing_limit_is_
     with pytest.raises(FederationRefused) as refused:
         fplan.check(job, "server", server="10.0.0.5:8000", insecure=True)
     reasons = "\n".join(refused.value.reasons)
-    for phrase in ("secure_aggregation = true", "[remote] wall_hours: missing", "[limits] max_compute_hours: missing",
+    for phrase in ("secure_aggregation = true", "SecAggPlusWorkflow.__call__", "LegacyContext", "[remote] wall_hours: missing", "[limits] max_compute_hours: missing",
                    "insecure (plain-text) Flower transport is allowed only on 127.0.0.1"):
         assert phrase in reasons, reasons
 

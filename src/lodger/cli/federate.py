@@ -50,11 +50,13 @@ def print_plan(plan) -> None:
     for key, value in limits.items():
         echo(f"  {key:<24}  {'MISSING' if value is None else f'{value:g}'}")
     p = s["privacy"]
-    dp = (f"clipping to L2 norm {p['clip_norm']:g}" + (f" with Gaussian noise x{p['noise_multiplier']:g}"
-                                                         if p["noise_multiplier"] else ", no noise")
-          if p["clip_norm"] else "off (updates are sent unclipped and without noise)")
-    echo(f"update protection: client-side {dp}; secure aggregation "
+    how = p.get("mechanism") or {}
+    dp = (f"{how['clipping']} on each client; noise: {how['noise'] or 'none'}" if how.get("clipping")
+          else "off (updates are sent unclipped and without noise)")
+    echo(f"update protection: {dp}; secure aggregation "
          f"{'ASKED (not supported: refused)' if p['secure_aggregation'] else 'off (the server sees each update)'}")
+    if how.get("reproducible") and how.get("noise"):
+        echo(f"  reproducible: {how['reproducible']}")
 
 
 def _ask(what: str) -> str | None:

@@ -22,9 +22,14 @@ lodger's resume is bitwise exact) or started afresh (`"drop"`).
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
+import time
+
+IMPORTED = time.time()
+"""When Flower's ClientApp process imported this module (the per-round cost breakdown starts here)."""
+
+import json  # noqa: E402 - after IMPORTED on purpose
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np
 
@@ -97,9 +102,10 @@ def _earlier_run(job_id: str, order: RoundOrder) -> str | None:
 
 
 def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str = "finish",
-              wait_seconds: float = 3600.0) -> tuple[str, Path]:
+              wait_seconds: float = 3600.0, marks: dict | None = None) -> tuple[str, Path]:
     """Train this round as a local lodger run (or reuse/resume the one made for it); return the run
-    id and its adapter folder."""
+    id and its adapter folder. ``marks`` gets the times the run was created and executed."""
+    marks = marks if marks is not None else {}
     from ..home import private_mkdir, run_dir
     from ..ledger import Ledger
     from ..run import create_run, execute, resume_prepared
@@ -125,10 +131,13 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
         if order.tensors else None
     job_file = folder / "job.toml"
     durable.atomic_write(job_file, to_toml(round_job(job_path, dataset, order, received)).encode())
+    marks["create_run"] = time.time()
     run_id, prepared = create_run(job_file)
     durable.atomic_write(_record_path(order.job_id, order.round),
                          json.dumps({"run_id": run_id, "started_from": order.sha256}).encode())
+    marks["execute"] = time.time()
     status = execute(run_id, prepared, resuming=False, quiet=True)
+    marks["executed"] = time.time()
     return _finished(run_id, status)
 
 
@@ -205,48 +214,13 @@ def round_result(run_id: str) -> tuple[int, int, float]:
 
 
 def noise_secret(job_id: str) -> bytes:
-    """This client's secret for the noise of ``job_id``: 32 random bytes made once, kept in the
-    client's folder (0600). The noise must be unpredictable to the server (a seed it knows would let
-    it subtract the noise), yet the same when this client sends a round again (a restarted server
-    asks again and must get the same answer)."""
-    import secrets
+    """This client's secret for the noise of ``job_id`` (privacy.py): 32 random bytes made once in
+    the client's folder (0600). The noise must be unpredictable to the server (a seed it knows would
+    let it subtract the noise), yet the same when this client sends a round again (a restarted
+    server asks again and must get the same answer)."""
+    from .privacy import kept_secret
 
-    from ..home import private_mkdir
-
-    path = _client_folder(job_id) / "noise-secret"
-    try:
-        data = path.read_bytes()
-        if len(data) == 32:
-            return data
-    except FileNotFoundError:
-        pass
-    private_mkdir(path.parent)
-    durable.atomic_write(path, secrets.token_bytes(32))
-    os.chmod(path, 0o600)
-    return path.read_bytes()
-
-
-def protect(tensors: dict[str, np.ndarray], start: dict[str, np.ndarray], privacy: dict, seed: int,
-            round_no: int, client_id: str, secret: bytes = b"") -> dict[str, np.ndarray]:
-    """Clip the update (trained minus received) to ``clip_norm`` and add Gaussian noise of standard
-    deviation ``noise_multiplier * clip_norm`` (the fixed-clipping client-side DP recipe). The noise
-    is drawn from the job's seed, the round, the client id and this client's ``secret``."""
-    clip = privacy.get("clip_norm")
-    if not clip:
-        return tensors
-    names = sorted(tensors)
-    delta = {k: tensors[k].astype(np.float64) - (start[k].astype(np.float64) if k in start else 0.0) for k in names}
-    norm = float(np.sqrt(sum(float(np.sum(d * d)) for d in delta.values())))
-    scale = min(1.0, float(clip) / norm) if norm > 0 else 1.0
-    sigma = float(privacy.get("noise_multiplier", 0.0)) * float(clip)
-    rng = np.random.default_rng([seed, round_no, int.from_bytes(client_id.encode()[:8].ljust(8, b"\0"), "little"),
-                                 int.from_bytes(secret, "little")])
-    out = {}
-    for k in names:
-        noisy = delta[k] * scale + (rng.normal(0.0, sigma, delta[k].shape) if sigma > 0 else 0.0)
-        base = start[k].astype(np.float64) if k in start else 0.0
-        out[k] = (base + noisy).astype(tensors[k].dtype)
-    return out
+    return kept_secret(_client_folder(job_id) / "noise-secret")
 
 
 def check_client(client_id: str, dataset: str) -> dict:
@@ -263,28 +237,82 @@ def check_client(client_id: str, dataset: str) -> dict:
     return {"name": registered.name, "sha256": registered.sha256, "lines": registered.lines}
 
 
-def train_round(job_path: Path, client_id: str, dataset: str, order: RoundOrder) -> tuple[dict, dict]:
-    """One round on this machine: train, protect, record. Returns (tensors to send, facts for the reply)."""
-    from ..ledger import Ledger
+STAGES = (("process", "imported", "flower_start_to_app_import"), ("imported", "message", "app_import_to_message"),
+          ("message", "create_run", "owner_checks"), ("create_run", "execute", "create_run"),
+          ("execute", "first_step", "model_load"), ("first_step", "last_step", "local_steps"),
+          ("last_step", "executed", "after_steps"), ("executed", "sent", "record_and_reply"))
+"""Where a round's seconds go in the ClientApp process: (from mark, to mark, name)."""
 
+
+def round_timings(marks: dict, run_id: str) -> dict[str, float]:
+    """Seconds per stage of this round in this process (recorded with the round; bench/federated.py
+    prints their means). A stage whose marks are missing (a round sent again from its earlier run)
+    is left out."""
+    import psutil
+
+    from ..home import run_dir
+
+    marks = {"imported": IMPORTED, **marks}
+    try:
+        marks["process"] = psutil.Process().create_time()
+    except psutil.Error:
+        pass
+    try:
+        rows = [json.loads(line) for line in (run_dir(run_id) / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if r.get("kind") == "train" and r.get("time") and r.get("time") >= marks["execute"]]
+        if steps:
+            marks["first_step"] = steps[0]["time"] - float(steps[0].get("seconds") or 0.0)
+            marks["last_step"] = steps[-1]["time"]
+    except (OSError, ValueError, KeyError):
+        pass
+    return {name: round(marks[b] - marks[a], 3) for a, b, name in STAGES if a in marks and b in marks}
+
+
+def train_round(job_path: Path, client_id: str, dataset: str, order: RoundOrder,
+                marks: dict | None = None, record: bool = True) -> tuple[dict, dict]:
+    """One round on this machine: train and record. Returns (the trained tensors, facts for the
+    reply). ``record=False``: the ClientApp records the round itself (`record_round`) once Flower's
+    protection mods have made what is really sent; the event's data is then in facts["record"]."""
+    marks = marks if marks is not None else {}
     registered = check_client(client_id, dataset)
     federated = read_toml(job_path, "job file").get("federated") or {}
-    run_id, adapter = run_round(job_path, dataset, order, federated.get("interrupted_client", "finish"))
+    run_id, adapter = run_round(job_path, dataset, order, federated.get("interrupted_client", "finish"),
+                                marks=marks)
     tokens, steps, loss = round_result(run_id)
     trained = safetensors_tensors((adapter / ADAPTER).read_bytes())
-    seed = int((read_toml(job_path, "job file").get("training") or {}).get("seed", 0))
     privacy = federated.get("privacy") or {}
-    secret = noise_secret(order.job_id) if privacy.get("clip_norm") and privacy.get("noise_multiplier") else b""
-    sent = protect(trained, order.tensors, privacy, seed, order.round, client_id, secret)
+    from .privacy import mechanism
+
+    event = {"run_id": run_id, "job_id": order.job_id, "round": order.round, "client_id": client_id,
+             "received": {"sha256": order.sha256, "bytes": order.bytes, "tensors": len(order.tensors)},
+             "dataset": registered, "target_tokens": tokens, "steps": steps, "train_loss": loss,
+             "privacy": {**privacy, **mechanism(privacy)}, "marks": marks}
     facts = {"tokens": tokens, "steps": steps, "loss": loss}
+    if record:
+        record_round(event, trained)
+    else:
+        facts["record"] = event
+    return trained, facts
+
+
+def record_round(event: dict, sent: dict) -> None:
+    """The client's `federated_client_round` event: what it received, what it sent (the tensors as
+    they leave, after any protection), its dataset, its token count, and where the seconds went."""
+    from ..ledger import Ledger
+
+    event = dict(event)
+    run_id, marks = event.pop("run_id"), event.pop("marks")
+    marks["sent"] = time.time()
     with Ledger() as ledger:
-        ledger.event(run_id, "federated_client_round", job_id=order.job_id, round=order.round, client_id=client_id,
-                     received={"sha256": order.sha256, "bytes": order.bytes, "tensors": len(order.tensors)},
+        ledger.event(run_id, "federated_client_round", **event,
                      sent={"sha256": tensors_sha256(sent), "bytes": tensors_bytes(sent), "tensors": len(sent),
                            "what": "adapter tensors, target-token count, metrics"},
-                     dataset=registered, target_tokens=tokens, steps=steps, train_loss=loss,
-                     privacy=federated.get("privacy") or {})
-    return sent, facts
+                     seconds=round_timings(marks, run_id))
+
+
+PENDING: dict[str, dict] = {}
+"""The round record of the message this ClientApp process is answering, by the message's id, until
+the outermost mod (`seal`) records it with the tensors as they finally leave."""
 
 
 def _handle(msg, context):
@@ -300,15 +328,70 @@ def _handle(msg, context):
         raise FederatedError(f"job file {str(job_path)!r} not found on this machine; give it with "
                              "--node-config 'job=\"PATH\"' (or the run's job)")
     client_id, dataset = str(node.get("client-id", "")), str(node.get("dataset", ""))
+    marks = {"message": time.time()}
     order = read_round(msg.content)
     check_client(client_id, dataset)
     _owner_permission(job_path, dataset)
     verdict = _owner_verdict(job_path, dataset, order.round)
     if verdict is not None:
         raise FederatedError(f"client {client_id} declines round {order.round}: {verdict}")
-    sent, facts = train_round(job_path, client_id, dataset, order)
-    return Message(reply_content(client_id, sent, tokens=facts["tokens"], steps=facts["steps"],
+    trained, facts = train_round(job_path, client_id, dataset, order, marks, record=False)
+    PENDING[msg.metadata.message_id] = facts["record"]
+    return Message(reply_content(client_id, trained, tokens=facts["tokens"], steps=facts["steps"],
                                  loss=facts["loss"], started_from=order.sha256), reply_to=msg)
+
+
+def seal(msg, context, call_next):
+    """The outermost mod: once the app and Flower's protection mods are done, the reply's hash and
+    size are those of the tensors as they leave, and the round is recorded with them."""
+    from flwr.app import ConfigRecord
+
+    from .messages import from_record
+
+    out = call_next(msg, context)
+    pending = PENDING.pop(msg.metadata.message_id, None)
+    if pending is None or out.has_error():
+        return out
+    sent = from_record(out.content["adapter"], "reply")
+    reply = dict(out.content["reply"])
+    reply.update({"sha256": tensors_sha256(sent), "bytes": tensors_bytes(sent)})
+    out.content["reply"] = ConfigRecord(reply)
+    record_round(pending, sent)
+    return out
+
+
+def protection(msg, context, call_next):
+    """Flower's update protection for this job (privacy.py), on train messages only."""
+    if msg.metadata.message_type != "train":
+        return call_next(msg, context)
+    from .privacy import protect_mod
+
+    node = context.node_config
+    if node.get("lodger-home"):
+        os.environ["LODGER_HOME"] = str(node["lodger-home"])
+    job_path = Path(str(node.get("job") or context.run_config.get("job") or ""))
+    if not job_path.is_file():
+        return call_next(msg, context)  # the app refuses it with the fix
+    raw = read_toml(job_path, "job file")
+    privacy = (raw.get("federated") or {}).get("privacy") or {}
+    client_id = str(node.get("client-id", ""))
+    job_id = str(msg.content["round"]["job-id"]) if "round" in msg.content else ""
+    secret = noise_secret(job_id) if privacy.get("local_epsilon") is not None else b""
+    mod = protect_mod(privacy, int((raw.get("training") or {}).get("seed", 0)), client_id, secret)
+    return mod(msg, context, call_next) if mod is not None else call_next(msg, context)
+
+
+def _identify(msg, context):
+    """Say which client this node is (the server samples by client id, sampling.py); nothing else
+    is read or sent, and nothing is trained."""
+    from flwr.app import Message
+
+    from .messages import identity_reply
+
+    client_id = str(context.node_config.get("client-id", ""))
+    if not CLIENT_ID.match(client_id):
+        raise FederatedError(f"node config client-id = {client_id!r}: use letters, digits, '_', '.', '-'")
+    return Message(identity_reply(client_id), reply_to=msg)
 
 
 def _owner_verdict(job_path: Path, dataset: str, round_no: int) -> str | None:
@@ -330,11 +413,15 @@ def _owner_permission(job_path: Path, dataset: str) -> None:
 def _make_app():
     from flwr.clientapp import ClientApp
 
-    client_app = ClientApp()
+    client_app = ClientApp(mods=[seal, protection])
 
     @client_app.train()
     def train(msg, context):
         return _handle(msg, context)
+
+    @client_app.query()
+    def query(msg, context):
+        return _identify(msg, context)
 
     return client_app
 

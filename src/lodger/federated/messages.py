@@ -3,11 +3,16 @@
 Server -> client (message type ``train``):
   ``global``  ArrayRecord: the round's global adapter tensors (empty in a fresh first round: every
               client then builds the same seeded adapter from the job, as a local run does)
-  ``round``   ConfigRecord: round, job-id, local-steps, sha256 and bytes of ``global``
+  ``round``   ConfigRecord: round, job-id, local-steps, sha256 and bytes of ``global`` (and Flower's
+              `clipping_norm` when the job clips updates: privacy.py)
 Client -> server:
   ``adapter`` ArrayRecord: the trained adapter tensors, nothing else of the model
   ``reply``   ConfigRecord: client-id, sha256 and bytes of ``adapter``, the starting hash it trained from
   ``metrics`` MetricRecord: target-tokens (the FedAvg weight), steps, train-loss
+
+Server -> client (message type ``query``, only when a round samples fewer clients than are connected
+and a node has not been heard from yet; sampling.py):
+  ``who``     ConfigRecord: ask = "client-id"; the reply's ``who`` carries the client-id, nothing else
 
 Everything that arrives is untrusted: names, shapes, dtypes, sizes and the claimed hash are checked
 against the tensors themselves before anything is used or recorded.
@@ -77,9 +82,13 @@ def from_record(record: ArrayRecord, what: str) -> dict[str, np.ndarray]:
     return out
 
 
-def round_content(round_no: int, job_id: str, local_steps: int, tensors: dict[str, np.ndarray]) -> RecordDict:
-    config = ConfigRecord({"round": round_no, "job-id": job_id, "local-steps": local_steps,
-                           "sha256": tensors_sha256(tensors), "bytes": tensors_bytes(tensors)})
+def round_content(round_no: int, job_id: str, local_steps: int, tensors: dict[str, np.ndarray],
+                  clipping_norm: float | None = None) -> RecordDict:
+    config = {"round": round_no, "job-id": job_id, "local-steps": local_steps, "sha256": tensors_sha256(tensors),
+              "bytes": tensors_bytes(tensors)}
+    if clipping_norm:  # under Flower's key, for its fixedclipping_mod on the client (privacy.py)
+        config["clipping_norm"] = float(clipping_norm)
+    config = ConfigRecord(config)
     return RecordDict({"global": to_record(tensors), "round": config})
 
 
@@ -122,3 +131,22 @@ def read_reply(content: RecordDict, node_id: int) -> Reply:
     if tensors_sha256(reply.tensors) != reply.sha256:
         raise FederatedError(f"{what} ({reply.client_id}): the adapter does not hash to the sha256 it claims; refused")
     return reply
+
+
+def identity_content() -> RecordDict:
+    return RecordDict({"who": ConfigRecord({"ask": "client-id"})})
+
+
+def identity_reply(client_id: str) -> RecordDict:
+    return RecordDict({"who": ConfigRecord({"client-id": client_id})})
+
+
+def read_identity(content: RecordDict, node_id: int) -> str:
+    """The client id a node's `query` reply names, checked."""
+    try:
+        client_id = str(content["who"]["client-id"])
+    except (KeyError, TypeError) as exc:
+        raise FederatedError(f"query reply of node {node_id} lacks {exc}; ignored") from None
+    if not CLIENT_ID.match(client_id):
+        raise FederatedError(f"query reply of node {node_id}: client id {client_id[:80]!r} is not a plain name")
+    return client_id

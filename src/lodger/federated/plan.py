@@ -76,6 +76,8 @@ class FederatedPlan:
 
     def summary(self) -> dict[str, Any]:
         """The plan as JSON-ready data (printed by --json, recorded with the approval)."""
+        from .privacy import mechanism
+
         fed, training = self.job.federated, self.job.training
         tokens = fed.local_steps * training.batch_size * training.grad_accum * self.job.data.max_length
         return {
@@ -91,18 +93,22 @@ class FederatedPlan:
             "rounds": fed.rounds, "local_steps": fed.local_steps, "min_clients": fed.min_clients,
             "clients_per_round": fed.clients_per_round, "round_timeout_seconds": fed.round_timeout_seconds,
             "limits": self.limits(),
-            "privacy": fed.privacy.model_dump(mode="json"),
+            "privacy": {**fed.privacy.model_dump(mode="json"), "mechanism": mechanism(fed.privacy.model_dump())},
         }
 
 
 SECAGG_REFUSAL = (
     "not supported, and the job is refused rather than run without the protection it asks for. Flower "
-    "1.42's SecAgg+ (flwr.server.workflow.SecAggPlusWorkflow with flwr.client.mod.secaggplus_mod) runs "
-    "only inside Flower's legacy strategy workflow (it needs a LegacyContext and the legacy FitIns/FitRes "
-    "records; flwr.serverapp and flwr.clientapp have no Message-API version), not lodger's committed round "
-    "loop; and it sums quantized updates (clipping_range, quantization_range), so each round's adapter "
-    "could not be the exact float64 FedAvg that a restarted server reproduces bit for bit. Fix: set it to "
-    "false (clip_norm with noise_multiplier still protects each update)")
+    "1.42's SecAgg+ exists only for its legacy strategy workflow: SecAggPlusWorkflow.__call__ "
+    "(flwr/server/workflow/secure_aggregation/secaggplus_workflow.py) raises TypeError unless it is given "
+    "a LegacyContext, and it gets the round's instructions from that context's legacy Strategy "
+    "(configure_fit, FitIns); on the client, secaggplus_mod (flwr/client/mod/secure_aggregation/"
+    "secaggplus_mod.py) reads the reply as a legacy FitRes (compat.recorddict_to_fitres) and needs four "
+    "message stages per round. flwr.serverapp and flwr.clientapp (the Message API lodger's ServerApp "
+    "and committed round loop use) have no SecAgg+. And it sums quantized updates (clipping_range, "
+    "quantization_range), so a round's adapter could not be the exact float64 FedAvg that a restarted "
+    "server reproduces bit for bit. Fix: set it to false (clip_norm with local_epsilon/local_delta adds "
+    "noise on each client, so the server never sees an update without noise)")
 """Why `secure_aggregation = true` is refused (plan check and server)."""
 
 

@@ -27,6 +27,8 @@ from ..errors import FederatedError
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 APP_DIR = Path(__file__).resolve().parent / "app"
 """The Flower app folder (pyproject.toml with [tool.flwr.app.components]) that `flwr run` submits."""
+TASK_POLL_SECONDS = 0.2
+"""FLWR_SUPEREXEC_TASK_POLL_INTERVAL for the Flower processes lodger starts (Flower's default: 1 s)."""
 CONNECTION = "lodger"
 """The SuperLink connection name lodger writes into its private FLWR_HOME/config.toml."""
 
@@ -132,6 +134,9 @@ def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     # (`make test`, a `lodger` run by its full path).
     here = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([here] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p != here])
+    # Flower's SuperExec (the SuperLink's, for the ServerApp; each SuperNode's, for every round's
+    # ClientApp) looks for new work every second by default; a round waits half of that on average.
+    env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", str(TASK_POLL_SECONDS))
     env.update(extra or {})
     Path(env["FLWR_HOME"]).mkdir(parents=True, exist_ok=True, mode=0o700)
     return env

@@ -79,6 +79,10 @@ class RoundStore:
         """Every committed round's folder, by round number."""
         return dict(self.store.committed())
 
+    def state_of(self, round_no: int) -> dict:
+        """Round ``round_no``'s aggregation state (round.json), its manifest and hashes checked."""
+        return json.loads(self.store.load_step(round_no).files[ROUND_STATE])
+
     def tensors_of(self, round_no: int) -> dict[str, np.ndarray]:
         """Round ``round_no``'s global adapter, its manifest and hashes checked."""
         return safetensors_tensors(self.store.load_step(round_no).files[ADAPTER])

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from pathlib import Path
 
 from ..config import JobConfig, describe, read_toml
 from ..errors import FederatedError
 from .aggregate import Update, fedavg, tensors_bytes, tensors_sha256
+from .privacy import mechanism
 from .rounds import Committed, RoundStore
+from .sampling import Roster
 
 MAX_SHORT_ROUNDS = 3
 """A round with fewer good replies than min_clients is asked again this many times, then the run stops."""
@@ -72,13 +73,65 @@ def wait_for_nodes(grid, minimum: int, timeout: float) -> list[int]:
         time.sleep(1.0)  # polling Flower for an observed state, bounded by the deadline
 
 
-def sample(nodes: list[int], per_round: int | None, seed: int, round_no: int) -> list[int]:
-    if per_round is None or per_round >= len(nodes):
+POLL_SECONDS = 0.25
+"""How often the server asks the SuperLink for replies. Flower's `Grid.send_and_receive` sleeps 3 s
+between pulls (flwr/superlink/grid/http_grid.py), on average 1.5 s lost per round; `exchange` is the
+same push-then-pull over Flower's public Grid API, polling faster."""
+
+
+def exchange(grid, messages: list, timeout: float, poll: float = POLL_SECONDS) -> list:
+    """Flower's send_and_receive (push the messages, pull replies until all are in or ``timeout``),
+    with a shorter pull interval."""
+    if not messages:
+        return []
+    waiting = set(grid.push_messages(messages))
+    deadline, replies = time.monotonic() + timeout, []
+    while waiting:
+        got = list(grid.pull_messages(waiting))
+        replies += got
+        waiting -= {m.metadata.reply_to_message_id for m in got}
+        if not waiting or time.monotonic() >= deadline:
+            break
+        time.sleep(poll)  # polling Flower for replies, bounded by the round's timeout
+    return replies
+
+
+IDENTIFY_SECONDS = 120.0
+"""How long the server waits for unknown nodes to say which client they are (sampling only)."""
+
+
+def choose_nodes(grid, job: JobConfig, roster: Roster, round_no: int, nodes: list[int]) -> list[int]:
+    """The round's nodes: all connected ones, or, when the job samples fewer, the nodes of the
+    clients that sampling.py's pure function of (seed, round, sorted client ids) picks."""
+    fed = job.federated
+    if fed.clients_per_round is None or fed.clients_per_round >= len(nodes):
         return nodes
-    return sorted(random.Random(seed * 1_000_003 + round_no).sample(nodes, per_round))
+    identify(grid, roster, roster.unknown(nodes), min(fed.round_timeout_seconds, IDENTIFY_SECONDS))
+    return roster.choose(nodes, fed.clients_per_round, job.training.seed, round_no)
 
 
-def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committed):
+def identify(grid, roster: Roster, nodes: list[int], timeout: float) -> None:
+    """Ask ``nodes`` (not heard from yet) their client id with a `query` message; a node that does
+    not answer in time stays unknown and is not sampled this round."""
+    if not nodes:
+        return
+    from flwr.app import Message
+
+    from .messages import identity_content, read_identity
+
+    messages = [Message(identity_content(), dst_node_id=node, message_type="query") for node in nodes]
+    sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+    for reply in exchange(grid, messages, timeout):
+        node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+        if reply.has_error():
+            continue
+        try:
+            roster.learn(node, read_identity(reply.content, node))
+        except FederatedError:
+            continue  # a garbled answer: the node stays unknown, so it is not sampled
+
+
+def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committed, roster: Roster | None = None):
     """Send the round to the sampled nodes; return (good replies as Updates, declines by node)."""
     from flwr.app import Message
 
@@ -86,11 +139,12 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
 
     fed = job.federated
     nodes = wait_for_nodes(grid, fed.min_clients, fed.round_timeout_seconds)
-    chosen = sample(nodes, fed.clients_per_round, job.training.seed, round_no)
-    content = round_content(round_no, job_id, fed.local_steps, current.tensors)
+    roster = roster if roster is not None else Roster()
+    chosen = choose_nodes(grid, job, roster, round_no, nodes)
+    content = round_content(round_no, job_id, fed.local_steps, current.tensors, fed.privacy.clip_norm)
     order_sha = tensors_sha256(current.tensors)
     messages = [Message(content, dst_node_id=node, message_type="train") for node in chosen]
-    replies = grid.send_and_receive(messages, timeout=fed.round_timeout_seconds)
+    replies = exchange(grid, messages, fed.round_timeout_seconds)
     # An error the SuperLink answers for a node (e.g. "node unavailable": no heartbeat) comes from
     # the SuperLink itself; the message it answers says which node it was for.
     sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
@@ -105,6 +159,7 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
         except FederatedError as exc:
             declined[str(node)] = str(exc)
             continue
+        roster.learn(node, r.client_id)
         if r.started_from != order_sha:  # trained from another global adapter: not this round's work
             declined[str(node)] = f"{r.client_id} trained from {r.started_from[:12]}, not this round's adapter"
             continue
@@ -133,18 +188,45 @@ def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committ
                          moved_to=aside.name)
 
         current = store.latest(on_damaged=damaged)
-        config_bytes = adapter_config(job)
+        record_unrecorded(ledger, store, job_id, current.round)
+        # adapter_config imports peft (and so torch): made at the first commit, while the clients'
+        # first round has already been asked, not before it (a round's cost, measured in bench/).
+        config_bytes = _Once(lambda: adapter_config(job))
+        if current.round == 0 and job.federated.privacy.clip_norm:
+            from .privacy import initial_adapter  # Flower's clipping mods need the update's start
+
+            current = Committed(0, initial_adapter(job, Path(str(run_config.get("job")))), b"", {})
         ledger.event(None, "federated_server_started", job_id=job_id, resumed_after_round=current.round,
                      rounds=job.federated.rounds, flower_run=flower_run,
-                     settings=job.federated.model_dump(mode="json"))
+                     settings=job.federated.model_dump(mode="json"),
+                     protection=mechanism(job.federated.privacy.model_dump()))
+        roster = Roster()
         while current.round < job.federated.rounds:
-            current = one_round(grid, job, job_id, current, store, config_bytes, ledger)
+            current = one_round(grid, job, job_id, current, store, config_bytes, ledger, roster)
         ledger.event(None, "federated_finished", job_id=job_id, rounds=current.round,
                      sha256=tensors_sha256(current.tensors), adapter=str(store.folder / "adapter"))
         return current
     finally:
         ledger.close()
         lock.release()
+
+
+def record_unrecorded(ledger, store: RoundStore, job_id: str, up_to: int) -> list[int]:
+    """Committed rounds without their `federated_round` event: a server killed between a round's
+    commit and its ledger event. The round is committed (it counts and is not asked again), so its
+    record is written now from its round.json, marked `recorded_after_restart`."""
+    recorded = {int(e["data"].get("round", 0)) for e in ledger.events_of_kinds(("federated_round",))
+                if e["data"].get("job_id") == job_id}
+    missing = sorted(r for r in store.rounds() if r <= up_to and r not in recorded)
+    from ..errors import LodgerError
+
+    for round_no in missing:
+        try:
+            state = store.state_of(round_no)
+        except (LodgerError, OSError, ValueError):
+            continue  # a damaged older round: its files say nothing trustworthy to record
+        ledger.event(None, "federated_round", **state, recorded_after_restart=True)
+    return missing
 
 
 def take_job(folder: Path, patience: float = 120.0):
@@ -165,12 +247,24 @@ def take_job(folder: Path, patience: float = 120.0):
             time.sleep(1.0)  # bounded wait for the other process to end
 
 
-def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: RoundStore, config_bytes: bytes,
-              ledger) -> Committed:
+class _Once:
+    """A value made on first use (then kept)."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __call__(self) -> bytes:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+
+def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: RoundStore, config_bytes,
+              ledger, roster: Roster | None = None) -> Committed:
     """Ask round ``current.round + 1`` until enough clients answer, then aggregate and commit it."""
     round_no, fed = current.round + 1, job.federated
     for attempt in range(1, MAX_SHORT_ROUNDS + 1):
-        good, declined = ask_round(grid, job, job_id, round_no, current)
+        good, declined = ask_round(grid, job, job_id, round_no, current, roster)
         if len(good) >= fed.min_clients:
             break
         ledger.event(None, "federated_round_short", job_id=job_id, round=round_no, attempt=attempt,
@@ -178,15 +272,25 @@ def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: Roun
     else:
         raise FederatedError(f"round {round_no}: fewer than {fed.min_clients} clients answered in "
                              f"{MAX_SHORT_ROUNDS} attempts; the run stops at round {current.round}")
-    return commit_round(job_id, round_no, good, declined, current, store, config_bytes, ledger, fed.aggregation)
+    privacy = fed.privacy.model_dump() if fed.privacy.noise_multiplier else None
+    config_bytes = config_bytes() if callable(config_bytes) else config_bytes
+    return commit_round(job_id, round_no, good, declined, current, store, config_bytes, ledger, fed.aggregation,
+                        privacy=privacy, seed=job.training.seed)
 
 
 def commit_round(job_id: str, round_no: int, good: list, declined: dict, current: Committed, store: RoundStore,
-                 config_bytes: bytes, ledger, aggregation: str = "fedavg") -> Committed:
+                 config_bytes: bytes, ledger, aggregation: str = "fedavg", privacy: dict | None = None,
+                 seed: int = 0) -> Committed:
     """Aggregate the good replies ((Reply, node) pairs) of round ``round_no``, commit the round, and
-    record it (a `federated_round` event: what `lodger compare` and `lodger export` read back)."""
+    record it (a `federated_round` event: what `lodger compare` and `lodger export` read back).
+    ``privacy`` with a noise_multiplier: Flower's central Gaussian noise on the aggregate (privacy.py)."""
     updates = [Update(r.client_id, r.tokens, r.tensors) for r, _ in good]
-    tensors = fedavg(updates, current.tensors or None)
+    tensors, noise = fedavg(updates, current.tensors or None), {}
+    if privacy:
+        from .privacy import central_noise, kept_secret
+
+        tensors, noise = central_noise(tensors, [u.tokens for u in updates], privacy, seed, round_no,
+                                       kept_secret(store.folder / "noise-secret"))
     participants = [{"client_id": r.client_id, "node_id": str(node), "target_tokens": r.tokens, "steps": r.steps,
                      "train_loss": r.loss, "sha256": r.sha256, "bytes": r.bytes}
                     for r, node in sorted(good, key=lambda g: g[0].client_id)]
@@ -195,6 +299,8 @@ def commit_round(job_id: str, round_no: int, good: list, declined: dict, current
              "sha256": tensors_sha256(tensors), "bytes": tensors_bytes(tensors),
              "total_tokens": int(current.state.get("total_tokens", 0)) + sum(u.tokens for u in updates),
              "total_steps": int(current.state.get("total_steps", 0)) + sum(r.steps for r, _ in good)}
+    if noise:
+        state["privacy"] = noise
     store.commit(round_no, tensors, config_bytes, state)
     ledger.event(None, "federated_round", **state)
     return Committed(round_no, tensors, config_bytes, state)
