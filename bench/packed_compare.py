@@ -204,7 +204,8 @@ def show(name: str, s: dict) -> None:
     r = s["result"]
     extra = f", padding {s['padding']:.2f}, eval loss {s['eval']:.4f}" if "eval" in s else f", batch {s['batch']}"
     print(f"# {name}: {s['tps']:.1f} target tokens/s, {s['steps']} steps, {s['targets']} target tokens"
-          f"{extra}, wall {r.wall:.1f} s, peak rss {common.gib(r.peak_rss)}, load {os.getloadavg()[0]:.2f}",
+          f"{extra}, wall {r.wall:.1f} s, cpu {r.cpu:.1f} s, peak rss {common.gib(r.peak_rss)}, "
+          f"load {os.getloadavg()[0]:.2f}",
           flush=True)
 
 
