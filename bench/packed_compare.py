@@ -1,25 +1,30 @@
 """Padding-free batches (issue 15): target tokens per second of lodger packed against the Hugging
 Face ``Trainer``, and eval loss packed against unpacked after the same target tokens.
 
-On a variable-length chat file made by ``make_chat_lengths.py`` (log-normal lengths up to the
-limit), one epoch each, in child processes of this script, one after the other:
+On a variable-length chat file made by ``make_chat_lengths.py`` (log-normal lengths, median 200
+tokens, clipped to [12, max_length = 512]: most chats are a few hundred tokens, a tail reaches the
+limit, as in chat SFT sets), one epoch each, in child processes of this script, one after the
+other, on a tiny random Llama (TINY: the tests' architecture, hidden 256, 2 layers, the tests'
+byte-level tokenizer; built once in the bench home) so a run takes minutes on 2 cores:
 
-- ``lodger run`` with ``packing = true`` (rows of ``batch_size`` x ``max_length`` tokens) and with
-  ``packing = false`` (right-padded batches of ``batch_size`` examples);
+- ``lodger run`` with ``packing = true`` (each micro-batch of ``batch_size`` examples flattened
+  into one row, no padding) and with ``packing = false`` (right-padded batches of ``batch_size``);
 - the Trainer with its defaults (random sampler, batches of ``batch_size`` padded to their
   longest, by ``lodger.data.collate``);
 - the Trainer with ``DataCollatorWithFlattening`` (its padding-free collator: each batch one row
-  with restarting position ids), given as many examples per batch as a lodger packed step holds
-  on average, so both update on the same amount of data per step;
+  with restarting position ids), batches of ``batch_size`` examples as lodger's;
 - the Trainer with ``train_sampling_strategy="group_by_length"`` (batches of similar lengths).
 
 Every side uses the same model folder, LoRA, learning rate schedule, threads and tokenised
-examples (``lodger.data.tokenize``). Target tokens per second run from the end of step 1 to the
-end of the last step (per-step stamps: lodger's metrics.jsonl, a Trainer callback), so start-up
-and the first step are left out; a step's target tokens are its labelled positions.
+examples (``lodger.data.tokenize``), and trains every example once, so every side counts the same
+target tokens (the labelled positions: printed per side). Target tokens per second are the
+epoch's target tokens over the training steps' time: from the start of step 1 (lodger: its end
+stamp in metrics.jsonl minus its duration; the Trainer: a step-begin callback) to the end of the
+last step, so start-up, loading, the evals and the final checkpoint are left out; wall (process
+start to exit) is printed too.
 
-    python bench/packed_compare.py            # 400 chats up to 256 tokens
-    python bench/packed_compare.py --quick    # 32 chats up to 96 tokens: minutes on 2 cores
+    python bench/packed_compare.py            # 256 chats up to 512 tokens
+    python bench/packed_compare.py --quick    # 64 chats: a few minutes
 """
 
 from __future__ import annotations
@@ -37,30 +42,48 @@ import common  # noqa: E402
 import make_chat_lengths  # noqa: E402
 
 SIDES = ("defaults", "flattening", "group_by_length")
+# The tests' Llama architecture, wider: hidden 256, 2 layers, the tests' 384-token vocabulary (about
+# 2M parameters), so an epoch of a few hundred chats takes minutes on 2 shared cores
+TINY = {"hidden": 256, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 768}
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lines", type=int, default=400, help="training chats")
-    parser.add_argument("--eval-lines", type=int, default=64)
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--median", type=float, default=64.0, help="median chat length in tokens")
-    parser.add_argument("--quick", action="store_true", help="32 chats up to 96 tokens, 8 eval chats")
+    parser.add_argument("--lines", type=int, default=256, help="training chats")
+    parser.add_argument("--eval-lines", type=int, default=32)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--median", type=float, default=200.0, help="median chat length in tokens")
+    parser.add_argument("--sigma", type=float, default=0.8, help="log-normal spread of the lengths")
+    parser.add_argument("--pack-tokens", type=int, help="lodger packed: [training] pack_tokens (default: one row)")
+    parser.add_argument("--model", help="a model folder (default: the tiny random Llama, built once)")
+    parser.add_argument("--quick", action="store_true", help="64 chats, 16 eval chats")
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=common.BATCH, help=argparse.SUPPRESS)
     parser.add_argument("--train", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick and not args.child:
-        args.lines, args.eval_lines, args.max_length, args.median = 32, 8, 96, 32.0
+        args.lines, args.eval_lines = 64, 16
     return args
 
 
-def write_job(folder: Path, name: str, train: Path, eval_: Path, max_length: int, packing: bool) -> Path:
+def tiny_model() -> Path:
+    """The tests' tiny Llama architecture, wider (TINY), built once in the bench home."""
+    sys.path.insert(0, str(common.ROOT / "tests"))
+    from fixtures_lib import build_tiny_model  # noqa: E402
+
+    folder = common.bench_home() / ("packed-model-" + "-".join(str(v) for v in TINY.values()))
+    if not (folder / "model.safetensors").is_file():
+        build_tiny_model(folder, seed=common.SEED, **TINY)
+    return folder
+
+
+def write_job(folder: Path, name: str, model: str, train: Path, eval_: Path, max_length: int, packing: bool,
+              pack_tokens: int | None = None) -> Path:
     path = folder / f"{name}.toml"
     path.write_text(f"""name = "{name}"
 [model]
-source = "{common.MODEL_ALIAS}"
+source = "{model}"
 [method]
 kind = "lora"
 rank = {common.RANK}
@@ -80,6 +103,7 @@ seed = {common.SEED}
 threads = {common.THREADS}
 log_every = 1000000
 packing = {"true" if packing else "false"}
+{f"pack_tokens = {pack_tokens}" if pack_tokens and packing else ""}
 [checkpoints]
 keep_last = 2
 """)
@@ -97,7 +121,7 @@ def trainer_child(args) -> None:
 
     quiet_transformers()
     torch.set_num_threads(common.THREADS)
-    folder = model_folder(resolve_source(common.MODEL_ALIAS))
+    folder = model_folder(resolve_source(args.model))
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     data = tokenize(read_jsonl(args.train), tokenizer, tokenizer_hash(folder), args.max_length)
     model = common.lora_model(folder)
@@ -123,8 +147,12 @@ def trainer_child(args) -> None:
         return batch
 
     ends: list[float] = []
+    begins: list[float] = []
 
     class Stamps(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            begins.append(time.time())
+
         def on_step_end(self, args, state, control, **kwargs):
             ends.append(time.time())
 
@@ -139,13 +167,13 @@ def trainer_child(args) -> None:
             disable_tqdm=True, seed=common.SEED, **sampling)
         Trainer(model=model, args=targs, train_dataset=Examples(), data_collator=collator,
                 callbacks=[Stamps()]).train()
-    args.out.write_text(json.dumps({"ends": ends, "targets": targets[:len(ends)]}))
+    args.out.write_text(json.dumps({"start": begins[0], "ends": ends, "targets": targets[:len(ends)]}))
 
 
 # -- the parent ---------------------------------------------------------------------------------
-def tokens_per_s(ends: list[float], targets: list[int]) -> float:
-    """Target tokens of steps 2..N over the time from the end of step 1 to the end of step N."""
-    return sum(targets[1:]) / (ends[-1] - ends[0])
+def tokens_per_s(start: float, ends: list[float], targets: list[int]) -> float:
+    """The epoch's target tokens over the time from the start of step 1 to the end of step N."""
+    return sum(targets) / (ends[-1] - start)
 
 
 def lodger_side(job: Path) -> dict:
@@ -155,7 +183,8 @@ def lodger_side(job: Path) -> dict:
     evals = [r for r in records if r["kind"] == "eval"]
     computed = sum(r.get("computed", 0) for r in steps)
     padded = sum(r.get("padded", 0) for r in steps)
-    return {"result": result, "tps": tokens_per_s([r["time"] for r in steps], [r["tokens"] for r in steps]),
+    start = steps[0]["time"] - steps[0]["seconds"] - steps[0].get("held_seconds", 0.0)
+    return {"result": result, "tps": tokens_per_s(start, [r["time"] for r in steps], [r["tokens"] for r in steps]),
             "steps": len(steps), "targets": sum(r["tokens"] for r in steps), "eval": evals[-1]["eval_loss"],
             "padding": padded / computed if computed else float("nan")}
 
@@ -163,19 +192,20 @@ def lodger_side(job: Path) -> dict:
 def trainer_side(side: str, args, train: Path, batch: int) -> dict:
     out = common.bench_home() / f".packed-{side}-{os.getpid()}.json"
     argv = [sys.executable, __file__, "--child", side, "--batch", str(batch), "--train", str(train),
-            "--max-length", str(args.max_length), "--out", str(out)]
+            "--max-length", str(args.max_length), "--model", str(args.model), "--out", str(out)]
     result = common.run_child(argv).check()
     report = json.loads(out.read_text())
     out.unlink()
-    return {"result": result, "tps": tokens_per_s(report["ends"], report["targets"]), "steps": len(report["ends"]),
-            "targets": sum(report["targets"]), "batch": batch}
+    return {"result": result, "tps": tokens_per_s(report["start"], report["ends"], report["targets"]),
+            "steps": len(report["ends"]), "targets": sum(report["targets"]), "batch": batch}
 
 
 def show(name: str, s: dict) -> None:
     r = s["result"]
     extra = f", padding {s['padding']:.2f}, eval loss {s['eval']:.4f}" if "eval" in s else f", batch {s['batch']}"
     print(f"# {name}: {s['tps']:.1f} target tokens/s, {s['steps']} steps, {s['targets']} target tokens"
-          f"{extra}, wall {r.wall:.1f} s, peak rss {common.gib(r.peak_rss)}, load {os.getloadavg()[0]:.2f}",
+          f"{extra}, wall {r.wall:.1f} s, cpu {r.cpu:.1f} s, peak rss {common.gib(r.peak_rss)}, "
+          f"load {os.getloadavg()[0]:.2f}",
           flush=True)
 
 
@@ -185,25 +215,38 @@ def main() -> None:
     if args.child:
         trainer_child(args)
         return
+    args.model = args.model or str(tiny_model())
+    from lodger.data import read_jsonl, tokenize
+    from lodger.model import load_tokenizer, model_folder, resolve_source, tokenizer_hash
+    from lodger.packing import example_lengths
+
+    folder = model_folder(resolve_source(args.model))
+    tokenizer = load_tokenizer(folder)
+    calibration = make_chat_lengths.calibrate(tokenizer)  # plan lengths in this tokenizer's tokens
     jobs = Path(tempfile.mkdtemp(prefix="packed-", dir=common.bench_home()))
     train, eval_ = jobs / "train.jsonl", jobs / "eval.jsonl"
-    lengths = make_chat_lengths.write(train, args.lines, args.max_length, args.median, 0.9, common.SEED)
-    make_chat_lengths.write(eval_, args.eval_lines, args.max_length, args.median, 0.9, common.SEED + 1)
-    packed_job = write_job(jobs, "packed", train, eval_, args.max_length, packing=True)
-    unpacked_job = write_job(jobs, "unpacked", train, eval_, args.max_length, packing=False)
+    make_chat_lengths.write(train, args.lines, args.max_length, args.median, args.sigma, common.SEED, *calibration)
+    make_chat_lengths.write(eval_, args.eval_lines, args.max_length, args.median, args.sigma, common.SEED + 1,
+                            *calibration)
+    lengths = example_lengths(tokenize(read_jsonl(train), tokenizer, tokenizer_hash(folder), args.max_length))
+    packed_job = write_job(jobs, "packed", args.model, train, eval_, args.max_length, True, args.pack_tokens)
+    unpacked_job = write_job(jobs, "unpacked", args.model, train, eval_, args.max_length, False)
     warm = common.warm_caches(packed_job)
-    print(make_chat_lengths.summary("planned tokens", lengths, args.max_length, common.BATCH))
+    print(make_chat_lengths.summary("tokenised", lengths, args.max_length, common.BATCH))
     print(f"# {args.lines} chats (+{args.eval_lines} eval) up to {args.max_length} tokens, one epoch, batch "
-          f"{common.BATCH}, {common.THREADS} threads; caches ready ({warm['seconds']:.1f} s, untimed); "
+          f"{common.BATCH}, {common.THREADS} threads, model {args.model}; caches ready ({warm['seconds']:.1f} s, "
+          f"untimed); target tokens/s over the training steps (start of step 1 to end of the last); "
           f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
     sides = {"lodger packed": lodger_side(packed_job)}
     show("lodger packed", sides["lodger packed"])
     sides["lodger unpacked"] = lodger_side(unpacked_job)
     show("lodger unpacked", sides["lodger unpacked"])
-    per_pack = max(1, round(args.lines / sides["lodger packed"]["steps"]))  # examples per packed step
     for side in SIDES:
-        sides[f"Trainer {side}"] = trainer_side(side, args, train, per_pack if side == "flattening" else common.BATCH)
+        sides[f"Trainer {side}"] = trainer_side(side, args, train, common.BATCH)
         show(f"Trainer {side}", sides[f"Trainer {side}"])
+    targets = {name: side["targets"] for name, side in sides.items()}
+    if len(set(targets.values())) != 1:
+        print(f"# WARNING: the sides trained different target tokens: {targets}")
     packed = sides["lodger packed"]
     best = max(("flattening", "group_by_length"), key=lambda k: sides[f"Trainer {k}"]["tps"])
     for label, other, goal in (("defaults", "Trainer defaults", ">= 1.5"),

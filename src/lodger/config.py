@@ -108,14 +108,17 @@ class TrainingConfig(Section):
     log_every: Int = Field(1, ge=1)
     """Print the step line every this many steps (every step is still written to metrics.jsonl)."""
     packing: Literal["auto"] | bool = "auto"
-    """Padding-free batches: pack several examples into each row of `pack_tokens` tokens, with
-    position ids restarting per example and attention that never crosses examples (same loss per
-    target token, fewer padded positions). `auto` packs when the model's attention keeps packed
-    examples apart (probed at start, recorded in the provenance) and trains unpacked
-    (right-padded batches) otherwise; `true` always packs; `false` never does. A step takes
-    `batch_size` rows x `grad_accum` x `world_size` packs, so it holds more examples than unpacked."""
+    """Padding-free batches: lay each micro-batch's examples into rows of `pack_tokens` tokens
+    (by default one row holding the whole micro-batch, no padding at all), with position ids
+    restarting per example and attention that never crosses examples. A step holds the same
+    examples as unpacked (same step count, same loss per target token); only the padding goes.
+    `auto` packs when the unpacked micro-batches would be at least 10 % padding (known from the
+    example lengths before training) and the model's attention keeps packed examples apart
+    (probed at start); both are recorded in the provenance. `true` always packs; `false` never."""
     pack_tokens: Int | None = Field(None, ge=1)
-    """Token budget of one packed row; left out, [data] max_length. Must be at least max_length."""
+    """Token budget of one packed row; left out, batch_size x max_length (one row per
+    micro-batch, no padding). At least max_length; smaller rows mean several rows per
+    micro-batch, padded to the widest, and less attention work per token with dense attention."""
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> "TrainingConfig":
@@ -459,7 +462,15 @@ def total_steps(job: JobConfig, n_train: int) -> int:
     if job.training.steps is not None:
         return job.training.steps
     per_step = job.training.batch_size * job.training.grad_accum * job.training.world_size  # all ranks' examples
-    return max(1, math.ceil(job.training.epochs * n_train / per_step))
+    return epoch_steps(job.training.epochs * n_train, n_train, per_step)
+
+
+def epoch_steps(examples: float, n_train: int, per_step: int) -> int:
+    """Steps that draw ``examples`` sampler positions when a step takes ``per_step`` of them and
+    ends early at the end of each epoch of ``n_train`` (packing.py): whole epochs, then the rest."""
+    full, rest = divmod(examples, n_train)
+    rest = round(rest, 6)  # 0.3 x 10 is 3.0000000000000004 positions, not 4 steps of 1
+    return max(1, int(full) * math.ceil(n_train / per_step) + math.ceil(rest / per_step))
 
 
 def job_hash(job: JobConfig) -> str:

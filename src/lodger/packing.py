@@ -1,30 +1,40 @@
-"""Padding-free batches: the sampler's examples packed greedily into rows, planned from the position.
+"""Padding-free batches: each step's examples planned from the sampler position, each micro-batch
+flattened into rows with no padding.
 
 The contract (what resume and data parallelism rely on):
 
-- The sampler's example order is kept. A *position* is the sampler position (``Sampler.at``) of
-  an optimizer step's first example, as ``progress.position`` stores today.
-- A step is ``packs_per_step`` packs (= grad_accum x world_size micro-batches, all ranks). A pack
-  is up to ``rows`` rows of at most ``row_tokens`` tokens. Examples are taken in sampler order: an
-  example goes into the current row if it fits, else into the next row, else it closes the pack
-  and opens the next one. Nothing is reordered or skipped, so ``plan.end`` (the position after the
-  step's last example) is where the next step starts: after a step, ``progress.position =
-  plan.end``. Planning a step reads only the examples it packs, so a resumed run (or a rank)
-  computes the plan of any step from its position alone: no replay.
-- Rank ``r`` of ``world`` trains packs ``r, r + world, ...`` of the step (``plan.share``); the
-  union over ranks is the single-process step.
+- A *position* is the sampler position (``Sampler.at``) of an optimizer step's first example, as
+  ``progress.position`` stores it. A step is the next ``batch_size x grad_accum x world_size``
+  positions, cut at the end of the epoch (so an epoch holds each example exactly once; its last
+  step may be short). Packed or not, a step holds the same examples, split the same way over
+  ranks and micro-batches (rank ``r`` takes examples ``r, r + world, ...`` of the step, in
+  micro-batches of ``batch_size``): packing changes how a micro-batch is laid out, never what the
+  step learns from, so the step count, the loss per target token and the eval after N steps are
+  those of the unpacked run (up to float summation order), and ``plan.end`` is where the next
+  step starts. Planning a step reads only its own examples: a resumed run (or a rank) computes the
+  plan of any step from its position alone, with no replay.
+- Packed, a micro-batch's examples are laid into rows of at most ``row_tokens`` tokens (first fit,
+  longest first). By default ``row_tokens`` is ``batch_size x max_length``: every micro-batch is
+  one row exactly as long as its examples, with no padding at all (as transformers'
+  ``DataCollatorWithFlattening`` lays out a batch). A smaller ``pack_tokens`` (at least
+  max_length) gives several rows per micro-batch, padded to the widest: less attention work per
+  token with a dense kernel (it grows with the row length), a little padding.
 - Inside a row each example's position ids restart at 0 and its first token carries no label, so
   the label shift never makes one example's last token predict the next one's first. With
   ``attention_mask`` left out, transformers (sdpa and eager, confirmed by tests/unit/
   test_packing.py) derives a block-diagonal causal mask from the restarting position ids;
   ``attention_mode`` probes a model for it and ``block_causal_mask`` is the explicit fallback.
+- ``packing = "auto"`` packs when the unpacked micro-batches would compute a padding share of at
+  least ``PACK_ABOVE`` (``padding_share``: from the example lengths and the sampler, before
+  training): below it, the longer rows' extra attention work costs about what the padding saved.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
+from .config import epoch_steps
 from .errors import JobFileError
 
 if TYPE_CHECKING:
@@ -32,24 +42,28 @@ if TYPE_CHECKING:
 
     from .data import Sampler, TokenizedSet
 
-Row = tuple[int, ...]    # dataset indices, in sampler order
+Row = tuple[int, ...]    # dataset indices
 Pack = tuple[Row, ...]   # one micro-batch
+PACK_ABOVE = 0.10        # "auto" packs when unpacked micro-batches would be at least this share padding
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One optimizer step: sampler positions ``[start, end)`` packed into ``packs`` (global order)."""
+    """One optimizer step: sampler positions ``[start, end)`` in micro-batches ``packs``, pack
+    ``k`` trained by rank ``owners[k]``."""
 
     start: int
     end: int
     packs: tuple[Pack, ...]
+    owners: tuple[int, ...] = ()
 
     def share(self, rank: int = 0, world: int = 1) -> list[Pack]:
         """The micro-batches rank ``rank`` of ``world`` trains, in order."""
-        return list(self.packs[rank::world])
+        owners = self.owners or tuple(k % world for k in range(len(self.packs)))
+        return [pack for pack, owner in zip(self.packs, owners) if owner == rank]
 
     def indices(self) -> list[int]:
-        """Every example of the step (all ranks), in sampler order: for the step's target count."""
+        """Every example of the step (all ranks): for the step's target count."""
         return [i for pack in self.packs for row in pack for i in row]
 
 
@@ -59,139 +73,87 @@ def example_lengths(dataset: "TokenizedSet") -> list[int]:
     return (offsets[1:] - offsets[:-1]).tolist()
 
 
-def _fill(examples: Iterator[int], lengths: Sequence[int], rows: int, row_tokens: int,
-          first: int | None = None) -> tuple[Pack, int | None]:
-    """Greedily fill one pack from ``examples`` (``first`` is an example already drawn); return the
-    pack and the example that did not fit (it opens the next pack), or None when they ran out."""
-    packed: list[list[int]] = [[]]
-    used = 0
-    pending = first
-    while True:
-        if pending is None:
-            pending = next(examples, None)
-            if pending is None:
-                return tuple(tuple(r) for r in packed if r), None
-        size = lengths[pending]
+def pack_rows(examples: Sequence[int], lengths: Sequence[int], row_tokens: int) -> Pack:
+    """``examples`` laid into rows of at most ``row_tokens`` tokens: first fit, longest first (ties
+    in the given order), so rows come out nearly full and few. Each row keeps its examples in the
+    given order. A pure function of its arguments."""
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for index in sorted(examples, key=lambda i: -lengths[i]):
+        size = lengths[index]
         if size > row_tokens:
             raise JobFileError(f"an example has {size} tokens but a packed row holds {row_tokens}; the row "
                                "size must be at least [data] max_length")
-        if used + size > row_tokens:
-            if len(packed) == rows:
-                return tuple(tuple(r) for r in packed), pending
-            packed.append([])
-            used = 0
-        packed[-1].append(pending)
-        used += size
-        pending = None
+        for r, filled in enumerate(used):
+            if filled + size <= row_tokens:
+                rows[r].append(index)
+                used[r] += size
+                break
+        else:
+            rows.append([index])
+            used.append(size)
+    order = {index: k for k, index in enumerate(examples)}
+    return tuple(tuple(sorted(row, key=order.__getitem__)) for row in rows)
 
 
 def pack_list(indices: Iterable[int], lengths: Sequence[int], rows: int, row_tokens: int) -> list[Pack]:
-    """A finite list of examples (e.g. the eval set) packed by the same rule as training steps."""
-    examples, packs, carried = iter(indices), [], None
-    while True:
-        pack, carried = _fill(examples, lengths, rows, row_tokens, carried)
-        if pack:
-            packs.append(pack)
-        if carried is None:
-            return packs
+    """A finite list of examples (e.g. the estimate's sample) in micro-batches of ``rows`` examples
+    each, laid out as training lays them (``pack_rows``)."""
+    indices = list(indices)
+    return [pack_rows(indices[k:k + rows], lengths, row_tokens) for k in range(0, len(indices), rows)]
 
 
-class Packer:
-    """Step plans as a pure function of the sampler (seed, indices) and a position.
+class PaddedPlanner:
+    """Unpacked steps: the step's examples one per row, right-padded micro-batches. Rank ``r``
+    trains examples ``r, r + world, ...`` of the step in micro-batches of ``micro`` (as before
+    packing existed); a step ends early at the end of an epoch. ``Packer`` plans the same steps
+    and lays each micro-batch out without padding."""
 
-    ``rows`` x ``row_tokens`` is the micro-batch's token budget. With sdpa or eager attention keep
-    ``row_tokens`` at max_length and ``rows`` at batch_size: the attention (and its mask) stays
-    rows x row_tokens², as padded today. With a varlen kernel (flash attention) ``rows=1`` and
-    ``row_tokens=batch_size*max_length`` wastes nothing at row ends.
-    """
+    packed, explicit_mask = False, False
+    unpacked_padding: float | None = None  # padding_share of the data, set by make_planner
 
-    def __init__(self, sampler: "Sampler", lengths: Sequence[int], *, rows: int, row_tokens: int,
-                 packs_per_step: int):
-        if rows < 1 or row_tokens < 1 or packs_per_step < 1:
-            raise ValueError(f"rows ({rows}), row_tokens ({row_tokens}) and packs_per_step "
-                             f"({packs_per_step}) must be at least 1")
-        self.sampler, self.lengths = sampler, lengths
-        self.rows, self.row_tokens, self.packs_per_step = rows, row_tokens, packs_per_step
+    def __init__(self, sampler: "Sampler", *, micro: int, accum: int, world: int):
+        if micro < 1 or accum < 1 or world < 1:
+            raise ValueError(f"micro ({micro}), accum ({accum}) and world ({world}) must be at least 1")
+        self.sampler, self.micro, self.accum, self.world = sampler, micro, accum, world
+        self.per_step = micro * accum * world
 
-    packed = True
-    explicit_mask = False  # set when the model's attention needs block_causal_mask (attention_mode)
+    def end_of(self, position: int) -> int:
+        """Where the step starting at ``position`` ends: ``per_step`` on, or the end of its epoch."""
+        n = len(self.sampler)
+        return min(position + self.per_step, (position // n + 1) * n)
 
-    def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
-        """One micro-batch of the plan, ready for the model (no attention mask, position ids)."""
-        return collate_packed(dataset, pack, pad_id, explicit_mask=self.explicit_mask)
+    def layout(self, examples: Sequence[int]) -> Pack:
+        """One micro-batch's rows: one example a row."""
+        return tuple((i,) for i in examples)
 
     def plan(self, position: int) -> StepPlan:
         """The plan of the step whose first example is at sampler position ``position``."""
-        return self.step(position)
+        end = self.end_of(position)
+        ids = [self.sampler.at(k) for k in range(position, end)]
+        mine = [ids[r::self.world] for r in range(self.world)]
+        packs, owners = [], []
+        for m in range(self.accum):
+            for r in range(self.world):
+                chunk = mine[r][m * self.micro:(m + 1) * self.micro]
+                if chunk:  # a short last step of an epoch leaves some micro-batches (and ranks) empty
+                    packs.append(self.layout(chunk))
+                    owners.append(r)
+        return StepPlan(position, end, tuple(packs), tuple(owners))
 
-    def step(self, position: int) -> StepPlan:
-        """The plan of the step whose first example is at sampler position ``position``."""
-        consumed = 0
-
-        def draw() -> Iterator[int]:
-            nonlocal consumed
-            while True:  # the sampler runs on across epochs, as for padded batches
-                index = self.sampler.at(position + consumed)
-                consumed += 1
-                yield index
-
-        examples, packs, carried = draw(), [], None
-        for _ in range(self.packs_per_step):
-            pack, carried = _fill(examples, self.lengths, self.rows, self.row_tokens, carried)
-            packs.append(pack)
-        # ``carried`` was drawn but opens the next step: it is not this step's
-        return StepPlan(position, position + consumed - 1, tuple(packs))
+    step = plan
 
     def next_start(self, position: int, skip: Iterable[int]) -> int:
         """The NaN guard's jump over steps that caused a rollback (``Guard.skip_positions``): a
         skipped step's examples are exactly its plan's, so the next start is that plan's end."""
         skip = set(skip)
         while position in skip:
-            position = self.step(position).end
+            position = self.end_of(position)
         return position
 
     def steps_for(self, examples: float) -> int:
-        """Optimizer steps until ``examples`` sampler positions are drawn (epochs x train size),
-        walking the plans from position 0: O(examples), once per run, lengths only."""
-        steps, position = 0, 0
-        while position < examples:
-            position = self.step(position).end
-            steps += 1
-        return max(1, steps)
-
-
-class PaddedPlanner:
-    """Unpacked steps under the same interface as ``Packer``: a step is the next
-    ``micro x accum x world`` sampler positions, one example per row, right-padded micro-batches.
-    Rank ``r`` trains examples ``r, r + world, ...`` of the step in micro-batches of ``micro`` (as
-    before packing existed), so pack ``i * world + r`` of the plan is rank r's i-th micro-batch."""
-
-    packed, explicit_mask = False, False
-
-    def __init__(self, sampler: "Sampler", *, micro: int, accum: int, world: int):
-        self.sampler, self.micro, self.accum, self.world = sampler, micro, accum, world
-        self.per_step = micro * accum * world
-
-    def plan(self, position: int) -> StepPlan:
-        ids = [self.sampler.at(position + k) for k in range(self.per_step)]
-        mine = [ids[r::self.world] for r in range(self.world)]
-        packs = tuple(tuple((i,) for i in mine[r][m * self.micro:(m + 1) * self.micro])
-                      for m in range(self.accum) for r in range(self.world))
-        return StepPlan(position, position + self.per_step, packs)
-
-    step = plan
-
-    def next_start(self, position: int, skip: Iterable[int]) -> int:
-        """Jump over steps that caused a rollback (a step is ``per_step`` positions)."""
-        skip = set(skip)
-        while position in skip:
-            position += self.per_step
-        return position
-
-    def steps_for(self, examples: float) -> int:
-        import math
-
-        return max(1, math.ceil(examples / self.per_step))
+        """Optimizer steps until ``examples`` sampler positions (epochs x train size) are drawn."""
+        return epoch_steps(examples, len(self.sampler), self.per_step)
 
     def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
         from .data import collate
@@ -200,6 +162,45 @@ class PaddedPlanner:
         mask = tensors["attention_mask"]
         labels = tensors["labels"]
         return PackedBatch(tensors, int((labels[:, 1:] != -100).sum()), int(mask.sum()), mask.numel())
+
+
+class Packer(PaddedPlanner):
+    """The unpacked plan, each micro-batch laid into rows of at most ``row_tokens`` tokens
+    (``pack_rows``): no padding when one row holds the whole micro-batch."""
+
+    packed = True
+    explicit_mask = False  # set when the model's attention needs block_causal_mask (attention_mode)
+
+    def __init__(self, sampler: "Sampler", lengths: Sequence[int], *, micro: int, accum: int, world: int,
+                 row_tokens: int):
+        super().__init__(sampler, micro=micro, accum=accum, world=world)
+        if row_tokens < 1:
+            raise ValueError(f"row_tokens ({row_tokens}) must be at least 1")
+        self.lengths, self.row_tokens = lengths, row_tokens
+
+    def layout(self, examples: Sequence[int]) -> Pack:
+        return pack_rows(examples, self.lengths, self.row_tokens)
+
+    def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
+        """One micro-batch of the plan, ready for the model (no attention mask, position ids)."""
+        return collate_packed(dataset, pack, pad_id, explicit_mask=self.explicit_mask)
+
+
+def padding_share(planner: PaddedPlanner, lengths: Sequence[int], limit: int = 4096) -> float:
+    """The share of computed positions that would be padding in the unpacked micro-batches of the
+    planner's first steps (up to ``limit`` micro-batches from position 0): known from the lengths
+    before training, a pure function of the data and the seed."""
+    padded = PaddedPlanner(planner.sampler, micro=planner.micro, accum=planner.accum, world=planner.world)
+    tokens = computed = position = batches = 0
+    while batches < limit and position < len(padded.sampler):
+        plan = padded.plan(position)
+        for pack in plan.packs:
+            sizes = [lengths[row[0]] for row in pack]
+            tokens += sum(sizes)
+            computed += len(sizes) * max(sizes)
+            batches += 1
+        position = plan.end
+    return 1 - tokens / computed if computed else 0.0
 
 
 @dataclass
@@ -291,16 +292,24 @@ def attention_mode(model, vocab_size: int | None = None, atol: float = 1e-4) -> 
     return None
 
 
-def make_planner(training, max_length: int, sampler: "Sampler", lengths: Sequence[int], packed: bool):
-    """The step planner a job trains with: ``Packer`` (rows of ``batch_size`` x ``pack_tokens``,
-    ``grad_accum x world_size`` packs a step) or ``PaddedPlanner`` (one example a row)."""
-    if not packed:
-        return PaddedPlanner(sampler, micro=training.batch_size, accum=training.grad_accum,
-                             world=training.world_size)
-    row_tokens = training.pack_tokens or max_length
+def make_planner(training, max_length: int, sampler: "Sampler", lengths: Sequence[int],
+                 packing: "bool | str") -> PaddedPlanner:
+    """The step planner a job trains with: ``Packer`` (each micro-batch in rows of ``pack_tokens``,
+    by default one row of ``batch_size x max_length``) or ``PaddedPlanner`` (one example a row).
+    ``packing = "auto"`` packs when the unpacked micro-batches' padding share is at least
+    ``PACK_ABOVE``; the share is kept on the planner (``unpacked_padding``) for the provenance."""
+    padded = PaddedPlanner(sampler, micro=training.batch_size, accum=training.grad_accum,
+                           world=training.world_size)
+    share = padding_share(padded, lengths) if lengths else None
+    padded.unpacked_padding = share
+    if packing is False or (packing == "auto" and share is not None and share < PACK_ABOVE):
+        return padded
+    row_tokens = training.pack_tokens or training.batch_size * max_length
     if row_tokens < max_length:
         raise JobFileError(f"[training] pack_tokens = {row_tokens} is below [data] max_length = {max_length}: "
                            "an example of max_length tokens would not fit a row; raise pack_tokens or "
-                           "leave it out (it defaults to max_length)")
-    return Packer(sampler, lengths, rows=training.batch_size, row_tokens=row_tokens,
-                  packs_per_step=training.grad_accum * training.world_size)
+                           "leave it out (it defaults to batch_size x max_length, one row per micro-batch)")
+    packer = Packer(sampler, lengths, micro=training.batch_size, accum=training.grad_accum,
+                    world=training.world_size, row_tokens=row_tokens)
+    packer.unpacked_padding = share
+    return packer

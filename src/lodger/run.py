@@ -60,11 +60,12 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     else:
         train_indices, eval_indices = split_indices(len(train_set), job.data.eval_fraction, job.training.seed)
         eval_set = train_set if eval_indices else None
-    # Packed or not is settled here (the step count depends on it); the attention probe at start
-    # only picks how packed examples are kept apart (train/state.py).
+    # Packed or not is settled here, from the data ("auto": by the unpacked padding share); packed
+    # or not, the steps hold the same examples, so the step count is the same. The attention probe
+    # at start only picks how packed examples are kept apart (train/state.py).
     sampler = Sampler(train_indices, job.training.seed)
     planner = make_planner(job.training, job.data.max_length, sampler, example_lengths(train_set),
-                           packed=job.training.packing is not False)
+                           job.training.packing)
     steps = job.training.steps or planner.steps_for(job.training.epochs * len(train_indices))
     return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
                     train_indices, eval_indices, steps, device or pick_device(job), planner)

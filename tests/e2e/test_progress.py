@@ -54,7 +54,9 @@ def run_in_pty(args: list[str], env: dict[str, str], timeout: float = 300) -> tu
 @pytest.fixture
 def short_job(tiny_model_dir: Path, e2e_data, tmp_path: Path) -> Path:
     return write_job(tmp_path / "job.toml", model=tiny_model_dir, train=e2e_data["train"], eval=e2e_data["eval"],
-                     name="progress", steps=12, every_steps=6, eval_every=6, extra={"policy": {"enabled": False}})
+                     name="progress", steps=12, every_steps=6, eval_every=6,
+                     # unpacked: packed micro-batches have no padding, and this job shows the padding share
+                     extra={"policy": {"enabled": False}, "training": {"packing": False}})
 
 
 def test_run_at_a_terminal_shows_a_live_eta_and_eval_lines(short_job, lodger_home):

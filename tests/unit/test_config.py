@@ -81,7 +81,8 @@ keep_last = 2
     assert job.data.eval == (job_dir / "data" / "eval.jsonl").resolve()
     assert (job.training.epochs, job.training.grad_accum, job.training.threads) == (1.5, 3, 2)
     assert (job.checkpoints.every_steps, job.checkpoints.every_seconds, job.checkpoints.keep_last) == (5, 30.0, 2)
-    assert total_steps(job, n_train=10) == 3  # ceil(1.5 * 10 / (2 * 3))
+    assert total_steps(job, n_train=10) == 3  # steps of 6 examples: 6 + 4 for the first epoch (a step never
+    # crosses an epoch end), then 5 of the half epoch in one
 
 
 def test_a_model_folder_next_to_the_job_file_is_resolved_from_the_job_folder(job_dir: Path) -> None:

@@ -3,6 +3,7 @@ cross-example leakage, and packed attention equal to each example run alone on t
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -13,8 +14,8 @@ import torch.nn.functional as F
 from lodger.data import Sampler, TokenizedSet, collate, read_jsonl, tokenize
 from lodger.errors import JobFileError
 from lodger.model import load_base_model, load_tokenizer
-from lodger.packing import (Packer, attention_mode, block_causal_mask, collate_packed, example_lengths,
-                            pack_list)
+from lodger.packing import (PACK_ABOVE, Packer, PaddedPlanner, attention_mode, block_causal_mask,
+                            collate_packed, example_lengths, make_planner, pack_list, pack_rows, padding_share)
 
 
 def synthetic_set(lengths: list[int], seed: int = 0) -> TokenizedSet:
@@ -30,68 +31,74 @@ def synthetic_set(lengths: list[int], seed: int = 0) -> TokenizedSet:
                         torch.arange(1, len(lengths) + 1))
 
 
-LENGTHS = [random.Random(7).randint(1, 40) for _ in range(97)]
+LENGTHS = [random.Random(7).randint(1, 40) for _ in range(97)]  # 97: no step size divides an epoch
 
 
-def packer(seed: int = 5, rows: int = 3, row_tokens: int = 40, packs: int = 2, lengths=LENGTHS) -> Packer:
-    return Packer(Sampler(list(range(len(lengths))), seed), lengths, rows=rows, row_tokens=row_tokens,
-                  packs_per_step=packs)
+def packer(seed: int = 5, micro: int = 3, accum: int = 2, world: int = 1, row_tokens: int = 120,
+           lengths=LENGTHS) -> Packer:
+    return Packer(Sampler(list(range(len(lengths))), seed), lengths, micro=micro, accum=accum, world=world,
+                  row_tokens=row_tokens)
+
+
+def walk(planner, steps: int) -> list:
+    plans, position = [], 0
+    for _ in range(steps):
+        plans.append(planner.plan(position))
+        position = plans[-1].end
+    return plans
 
 
 # -- the plan -----------------------------------------------------------------------------------
 
-def test_steps_follow_the_sampler_order_without_gaps_and_respect_the_budget() -> None:
-    p = packer()
-    sampler = Sampler(list(range(len(LENGTHS))), 5)
-    position = 0
-    for _ in range(150):  # several epochs
-        plan = p.step(position)
-        assert plan.start == position
-        assert plan.indices() == [sampler.at(k) for k in range(position, plan.end)]
-        assert len(plan.packs) == 2
-        for pack in plan.packs:
-            assert 1 <= len(pack) <= 3
-            assert all(sum(LENGTHS[i] for i in row) <= 40 for row in pack)
-        position = plan.end
+def test_packed_micro_batches_have_no_padding_and_hold_the_unpacked_steps_examples() -> None:
+    """Default row budget (batch_size x max_length): each micro-batch one row, exactly as long as
+    its examples; the step, each rank's share and each micro-batch hold the unpacked ones' examples."""
+    data = synthetic_set(LENGTHS)
+    for world in (1, 2):
+        packed = packer(micro=3, accum=2, world=world, row_tokens=3 * 40)
+        padded = PaddedPlanner(packed.sampler, micro=3, accum=2, world=world)
+        for plan, flat in zip(walk(packed, 60), walk(padded, 60)):
+            assert (plan.start, plan.end) == (flat.start, flat.end)
+            assert plan.indices() == [plan_i for pack in plan.packs for row in pack for plan_i in row]
+            for rank in range(world):
+                mine, theirs = plan.share(rank, world), flat.share(rank, world)
+                assert [sorted(i for row in pack for i in row) for pack in mine] == \
+                    [sorted(row[0] for row in pack) for pack in theirs]
+            for pack in plan.packs:
+                assert len(pack) == 1  # one row: nothing to pad
+                batch = packed.collate(data, pack, pad_id=2)
+                assert batch.positions == batch.tokens == sum(LENGTHS[i] for i in pack[0])
+                assert "attention_mask" not in batch.tensors
 
 
-def test_a_row_closes_only_when_the_next_example_does_not_fit() -> None:
-    lengths = [10, 25, 10, 30, 5, 40, 1]
-    p = Packer(Sampler(list(range(7)), 0), lengths, rows=2, row_tokens=40, packs_per_step=1)
-    # identity order is not guaranteed by the sampler: check the greedy rule on the drawn order
-    plan = p.step(0)
-    order = plan.indices()
-    for pack in plan.packs:
-        for row, following in zip(pack, pack[1:]):
-            assert sum(lengths[i] for i in row) + lengths[following[0]] > 40
-    last_row = plan.packs[-1][-1]
-    assert len(plan.packs[-1]) == 2  # closed because the next example fits neither row
-    next_first = Sampler(list(range(7)), 0).at(plan.end)
-    assert sum(lengths[i] for i in last_row) + lengths[next_first] > 40
-    assert order == [Sampler(list(range(7)), 0).at(k) for k in range(plan.end)]
+def test_an_epoch_holds_every_example_exactly_once_and_steps_never_cross_it() -> None:
+    n = len(LENGTHS)
+    for planner in (packer(micro=3, accum=2, world=2), PaddedPlanner(Sampler(list(range(n)), 5), micro=4,
+                                                                   accum=1, world=1)):
+        plans = walk(planner, planner.steps_for(3 * n))
+        assert plans[-1].end == 3 * n  # three epochs, to the example
+        for epoch in range(3):
+            inside = [plan for plan in plans if epoch * n <= plan.start < (epoch + 1) * n]
+            assert inside[0].start == epoch * n and inside[-1].end == (epoch + 1) * n
+            assert sorted(i for plan in inside for i in plan.indices()) == list(range(n))
+        assert planner.steps_for(3 * n) == 3 * -(-n // planner.per_step)
+        assert planner.steps_for(1.5 * n) == -(-n // planner.per_step) + math.ceil(0.5 * n / planner.per_step)
+        assert planner.steps_for(0.01) == 1
+
+
+def test_a_short_last_step_leaves_ranks_without_micro_batches_and_their_shares_still_add_up() -> None:
+    p = packer(micro=2, accum=2, world=3, lengths=LENGTHS[:13])  # 12 a step: the second is 1 example
+    first, last = walk(p, 2)
+    assert (first.end, last.end) == (12, 13)
+    assert [len(last.share(r, 3)) for r in range(3)] == [1, 0, 0]
+    for plan in (first, last):
+        assert sorted(pack for r in range(3) for pack in plan.share(r, 3)) == sorted(plan.packs)
 
 
 def test_any_step_is_planned_from_its_position_alone_as_after_a_resume() -> None:
-    walked, position = {}, 0
-    p = packer()
-    for _ in range(60):
-        walked[position] = p.step(position)
-        position = walked[position].end
+    walked = {plan.start: plan for plan in walk(packer(world=2), 60)}
     for start in list(walked)[::-1]:  # fresh objects, positions out of order: no hidden state
-        assert packer().step(start) == walked[start]
-
-
-def test_the_ranks_shares_together_are_the_single_process_step() -> None:
-    p, position = packer(packs=6), 0
-    for _ in range(20):
-        plan = p.step(position)
-        for world in (1, 2, 3, 6):
-            shares = [packer(packs=6).step(position).share(rank, world) for rank in range(world)]
-            assert sorted(pack for share in shares for pack in share) == sorted(plan.packs)
-            assert [len(s) for s in shares] == [6 // world] * world
-            # micro-step k of rank r is pack k * world + r of the global order
-            assert all(shares[r][k] == plan.packs[k * world + r] for r in range(world) for k in range(6 // world))
-        position = plan.end
+        assert packer(world=2).step(start) == walked[start]
 
 
 def test_the_guard_skips_a_bad_step_by_its_plan() -> None:
@@ -103,25 +110,37 @@ def test_the_guard_skips_a_bad_step_by_its_plan() -> None:
     assert p.next_start(0, [0, first.end]) == second.end
 
 
-def test_steps_for_an_epoch_walk_the_plans() -> None:
-    p = packer()
-    steps, position = 0, 0
-    while position < 2 * len(LENGTHS):
-        position = p.step(position).end
-        steps += 1
-    assert p.steps_for(2 * len(LENGTHS)) == steps
-    assert p.steps_for(0.01) == 1
-
-
-def test_an_example_longer_than_a_row_is_refused() -> None:
+def test_rows_of_a_smaller_budget_are_filled_longest_first_and_keep_every_example_once() -> None:
+    lengths = [10, 25, 10, 30, 5, 40]
+    rows = pack_rows(range(6), lengths, 40)
+    assert sorted(i for row in rows for i in row) == list(range(6))
+    assert all(sum(lengths[i] for i in row) <= 40 for row in rows)
+    assert len(rows) == 3  # 120 tokens: in order a row per misfit takes 4, first fit longest first 3
+    assert all(list(row) == sorted(row) for row in rows)  # each row keeps the given order
     with pytest.raises(JobFileError, match="41 tokens but a packed row holds 40"):
-        packer(lengths=[41, 3, 3]).step(0)
+        pack_rows([0, 1], [41, 3], 40)
 
 
-def test_pack_list_keeps_every_example_once_in_order() -> None:
-    packs = pack_list(range(len(LENGTHS)), LENGTHS, rows=2, row_tokens=50)
-    assert [i for pack in packs for row in pack for i in row] == list(range(len(LENGTHS)))
+def test_pack_list_keeps_every_example_once_in_micro_batches() -> None:
+    packs = pack_list(range(len(LENGTHS)), LENGTHS, rows=4, row_tokens=50)
+    assert len(packs) == -(-len(LENGTHS) // 4)
+    assert sorted(i for pack in packs for row in pack for i in row) == list(range(len(LENGTHS)))
     assert pack_list([], LENGTHS, rows=2, row_tokens=50) == []
+
+
+def test_auto_packs_only_when_the_unpacked_batches_would_be_padding_and_says_how_much() -> None:
+    from types import SimpleNamespace
+
+    training = SimpleNamespace(batch_size=4, grad_accum=1, world_size=1, pack_tokens=None)
+    even, spread = [30] * 40, [8, 60] * 20
+    sampler = Sampler(list(range(40)), 0)
+    assert padding_share(PaddedPlanner(sampler, micro=4, accum=1, world=1), even) == 0.0
+    planner = make_planner(training, 64, sampler, even, "auto")
+    assert not planner.packed and planner.unpacked_padding == 0.0
+    assert make_planner(training, 64, sampler, even, True).packed  # true packs whatever the share
+    planner = make_planner(training, 64, sampler, spread, "auto")
+    assert planner.packed and planner.unpacked_padding >= PACK_ABOVE and planner.row_tokens == 4 * 64
+    assert not make_planner(training, 64, sampler, spread, False).packed
 
 
 # -- collation ----------------------------------------------------------------------------------
@@ -232,8 +251,8 @@ def test_a_packed_step_has_the_loss_and_gradients_of_the_padded_step(tiny_model_
     model = load_base_model(tiny_model_dir)
     step = list(range(len(chats)))
     lengths = example_lengths(chats)
-    packs = pack_list(step, lengths, rows=2, row_tokens=max(lengths) + 40)
-    assert len(packs) < len(step) // 2  # packing really merged examples
+    packs = pack_list(step, lengths, rows=4, row_tokens=4 * max(lengths))
+    assert all(len(pack) == 1 for pack in packs) and len(packs) < len(step)  # examples really share rows
     targets = chats.target_tokens(step)
     grads = []
     for batches in ([collate(chats, step[k:k + 2], 2) for k in range(0, len(step), 2)],
@@ -257,8 +276,8 @@ def test_two_ranks_shares_of_a_packed_step_sum_to_the_single_process_gradient(ti
     """What the all-reduce adds up: each rank's packs, normalised by the whole step's targets."""
     model = load_base_model(tiny_model_dir)
     lengths = example_lengths(chats)
-    plan = Packer(Sampler(list(range(len(chats))), 4), lengths, rows=2, row_tokens=max(lengths) + 30,
-                  packs_per_step=4).step(3)
+    plan = Packer(Sampler(list(range(len(chats))), 4), lengths, micro=2, accum=2, world=2,
+                  row_tokens=max(lengths) + 30).step(3)
     targets = chats.target_tokens(plan.indices())
 
     def gradients(packs) -> list[torch.Tensor]:
@@ -268,7 +287,7 @@ def test_two_ranks_shares_of_a_packed_step_sum_to_the_single_process_gradient(ti
             (loss / targets).backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    single = gradients(plan.share(0, 1))
+    single = gradients(plan.packs)
     summed = [a + b for a, b in zip(gradients(plan.share(0, 2)), gradients(plan.share(1, 2)))]
     for a, b in zip(single, summed):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
@@ -284,14 +303,12 @@ def test_attention_reads_packing_from_position_ids_on_cuda(tiny_model_dir, impl)
 
 def test_unpacked_plans_are_the_padded_batches_each_rank_trained_before_packing() -> None:
     """packing = false: rank r's micro-batch i is examples r::world of the step, in chunks of batch_size."""
-    from lodger.packing import PaddedPlanner
-
     sampler = Sampler(list(range(len(LENGTHS))), 3)
     micro, accum, world = 3, 2, 2
     planner = PaddedPlanner(sampler, micro=micro, accum=accum, world=world)
     per_step = micro * accum * world
     position = 0
-    for _ in range(20):
+    for _ in range(len(LENGTHS) // per_step):  # the whole steps of the first epoch
         plan = planner.plan(position)
         step_ids = [sampler.at(position + k) for k in range(per_step)]
         assert plan.end == position + per_step
@@ -308,11 +325,29 @@ def test_unpacked_plans_are_the_padded_batches_each_rank_trained_before_packing(
 def test_a_packed_row_budget_below_max_length_is_refused_naming_the_key() -> None:
     from types import SimpleNamespace
 
-    from lodger.packing import make_planner
-
     training = SimpleNamespace(batch_size=2, grad_accum=1, world_size=1, pack_tokens=32)
     with pytest.raises(JobFileError, match=r"\[training\] pack_tokens = 32 is below \[data\] max_length = 64"):
-        make_planner(training, 64, Sampler([0, 1], 0), [10, 20], packed=True)
+        make_planner(training, 64, Sampler([0, 1], 0), [10, 20], True)
     planner = make_planner(SimpleNamespace(**(training.__dict__ | {"pack_tokens": None})), 64,
-                           Sampler([0, 1], 0), [10, 20], packed=True)
-    assert planner.packed and planner.row_tokens == 64 and planner.packs_per_step == 1
+                           Sampler([0, 1], 0), [10, 20], True)
+    assert planner.packed and planner.row_tokens == 2 * 64 and planner.per_step == 2
+
+
+def test_a_remote_job_declares_the_step_count_the_packed_run_trains(tiny_model_dir, chat_data, tmp_path):
+    """remote/staging.py counts steps without a tokenizer; the run plans them from the tokens."""
+    from lodger.jobfile import load_job
+    from lodger.remote.staging import planned_steps
+    from lodger.run import prepare
+
+    job_path = tmp_path / "job.toml"
+    job_path.write_text(f'[model]\nsource = "{tiny_model_dir}"\n[data]\ntrain = "{chat_data["train"]}"\n'
+                        f'eval_fraction = 0.1\nmax_length = 64\n[training]\nepochs = 2.5\nbatch_size = 5\n'
+                        f'grad_accum = 2\npacking = true\n')
+    job = load_job(job_path)
+    prepared = prepare(job)
+    assert prepared.planner.packed
+    walked, position = 0, 0
+    while position < 2.5 * len(prepared.train_indices):
+        position = prepared.planner.plan(position).end
+        walked += 1
+    assert planned_steps(job) == prepared.total_steps == walked

@@ -41,33 +41,33 @@ def _longest_example(train_set) -> int:
     return int((offsets[1:] - offsets[:-1]).max())
 
 
-def packs(cfg) -> bool:
-    """Whether the job packs examples into rows ([training] packing, where this lodger has it)."""
-    value = getattr(cfg.training, "packing", False)
-    return value not in (False, None, "off", "false", "no")
+def packs(prepared) -> bool:
+    """Whether the job packs examples into rows ([training] packing; "auto" decided from the data)."""
+    return bool(getattr(prepared.planner, "packed", False))
 
 
 def batch_shapes(cfg, prepared, micro_batches: int = 512) -> tuple[int, float, float]:
     """(peak row width, mean row width, padding share of the computed positions) of the job's
     micro-batches, from the first ``micro_batches`` of its real order: padded to each batch's
-    longest example, or packed (``packing.pack_list``: rows of at most max_length tokens)."""
+    longest example, or packed as the run lays them out (``packing.pack_list``, the planner's row
+    budget). Widths are per example slot (a micro-batch's positions over batch_size), the shape
+    the estimate counts in: a packed micro-batch of one row computes what batch_size rows would."""
     from ..data import Sampler
     from ..packing import example_lengths, pack_list
 
     lengths = example_lengths(prepared.train_set)
     sampler = Sampler(prepared.train_indices, cfg.training.seed)
     batch = cfg.training.batch_size
-    if packs(cfg):
-        order = [sampler.at(k) for k in range(micro_batches * batch * 4)]
+    order = [sampler.at(k) for k in range(micro_batches * batch)]
+    if packs(prepared):
         batches = [[sum(lengths[i] for i in row) for row in pack]
-                   for pack in pack_list(order, lengths, batch, cfg.data.max_length)[:micro_batches]]
-        peak = cfg.data.max_length  # a row may fill up to max_length
+                   for pack in pack_list(order, lengths, batch, prepared.planner.row_tokens)]
+        peak = cfg.data.max_length  # at most batch_size x max_length positions a micro-batch
     else:
-        order = [sampler.at(k) for k in range(micro_batches * batch)]
         batches = [[lengths[i] for i in order[k:k + batch]] for k in range(0, len(order), batch)]
         peak = min(cfg.data.max_length, _longest_example(prepared.train_set))
     computed = sum(len(b) * max(b) for b in batches)
-    widths = sum(max(b) for b in batches) / len(batches)
+    widths = computed / batch / len(batches)
     return peak, widths, 1 - sum(map(sum, batches)) / computed
 
 
@@ -116,11 +116,11 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     limit = int(cfg.limits.memory_gb * GiB) if cfg.limits.memory_gb else None
     budget = min(available, limit) if limit else available
     fits = est.total_bytes <= budget
-    measured = memory.measure(cfg, prepared.folder, seq_len=seq, steps=3, packed=packs(cfg)) if measure else None
+    measured = memory.measure(cfg, prepared.folder, seq_len=seq, steps=3, packed=packs(prepared)) if measure else None
 
     if as_json:
         out = {"estimate": est.to_dict(), "available_bytes": available, "limit_bytes": limit, "fits": fits,
-               "flops_per_second": rate, "total_steps": prepared.total_steps, "packed": packs(cfg),
+               "flops_per_second": rate, "total_steps": prepared.total_steps, "packed": packs(prepared),
                "mean_width": width, "padding": padding,
                "suggestions": [] if fits else memory.suggestions(est, cfg, budget)}
         if measured:
@@ -129,8 +129,8 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
         click.echo(json.dumps(out, indent=1))
     else:
         _print(job, cfg, est, model_config, rate, prepared.total_steps, available, limit, fits, budget, measured)
-        click.echo(f"batches: {'packed' if packs(cfg) else 'padded'} rows {width:.0f} positions wide on average, "
-                   f"{padding:.0%} of them padding")
+        click.echo(f"batches: {'packed' if packs(prepared) else 'padded'}, {width:.0f} positions per example "
+                   f"slot on average, {padding:.0%} of them padding")
     if not fits:
         raise click.exceptions.Exit(3)
 

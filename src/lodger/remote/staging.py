@@ -29,7 +29,9 @@ def local_python() -> str:
 
 
 def planned_steps(job) -> int:
-    """Optimizer steps, counted here without a tokenizer (the remote side records the exact figure)."""
+    """Optimizer steps, counted here without a tokenizer: packed or not, a step holds batch_size x
+    grad_accum x world_size examples and ends early at each epoch's end (packing.py), so the
+    count depends on the number of examples only and equals what the remote run plans."""
     from ..config import total_steps
     from ..data import read_jsonl, split_indices
 

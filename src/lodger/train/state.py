@@ -103,8 +103,10 @@ def choose_attention(prepared: Prepared, model) -> tuple[Any, str]:
         raise JobFileError("[training] packing = true, but this model's attention mixes packed examples "
                            "(neither restarting position ids nor a block mask keep them apart); set "
                            'packing = "auto" or false')
-    if mode is None:  # "auto": the same examples, one per row (the step count was planned packed)
-        return make_planner(training, prepared.job.data.max_length, planner.sampler, [], packed=False), "unpacked"
+    if mode is None:  # "auto": the same steps' examples, one per row
+        unpacked = make_planner(training, prepared.job.data.max_length, planner.sampler, [], False)
+        unpacked.unpacked_padding = planner.unpacked_padding
+        return unpacked, "unpacked"
     planner.explicit_mask = mode == "mask"
     return planner, mode
 
@@ -205,9 +207,12 @@ class Session:
                                              p.eval_indices]).encode()).hexdigest()
         data["eval_set_sha256"] = eval_id
         data["train_examples"], data["eval_examples"] = len(p.train_indices), len(p.eval_indices)
-        # How examples were batched: packed and unpacked runs see different steps (compare.py checks it).
+        # How examples were laid out: packed and unpacked steps hold the same examples, but sum the
+        # loss in another order (compare.py checks it). unpacked_padding is what "auto" decided on.
         data["packing"] = {"setting": self.job.training.packing, "mode": self.packing_mode,
-                           "pack_tokens": getattr(self.planner, "row_tokens", None) if self.planner.packed else None}
+                           "pack_tokens": getattr(self.planner, "row_tokens", None) if self.planner.packed else None,
+                           "unpacked_padding": None if self.planner.unpacked_padding is None
+                           else round(self.planner.unpacked_padding, 4)}
         for use in self.job.data_uses():  # registered dataset (name, license, owner) or not
             if use.role in data:
                 data[use.role].update(use.provenance())
