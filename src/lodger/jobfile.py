@@ -14,9 +14,9 @@ from pydantic import ValidationError
 
 from .config import (DATASET_PREFIX, USER_ONLY_SECTIONS, USER_SECTIONS, CheckpointConfig, DataConfig,
                      DatasetPolicyConfig, GuardConfig, JobConfig, LimitsConfig, MethodConfig, ModelConfig,
-                     PolicyConfig, RemoteConfig, TrainingConfig, cross_checks, describe, read_toml,
-                     toml_value)
+                     PolicyConfig, RemoteConfig, TrainingConfig, cross_checks, describe, read_toml)
 from .errors import JobFileError
+from .tomlfile import toml_value
 
 
 def _resolve_data(raw: dict[str, Any], base_dir: Path, unregistered: str) -> tuple[dict[str, Any], list[str]]:

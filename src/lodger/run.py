@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import durable
-from .config import JobConfig, job_hash, to_toml
+from .config import JobConfig, job_hash
+from .tomlfile import to_toml
 from .jobfile import load_job
 from .control import Control, clear_request
 from .data import Sampler, read_jsonl, split_indices, tokenize

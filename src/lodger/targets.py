@@ -11,7 +11,8 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, field_validator
 
-from .config import Float, Int, Section, describe, read_toml, toml_value
+from .config import Float, Int, Section, describe, read_toml
+from .tomlfile import toml_value
 from .errors import JobFileError, LodgerError
 from .home import home
 

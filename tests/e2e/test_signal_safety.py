@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from lodger.config import to_toml
+from lodger.tomlfile import to_toml
 from lodger.control import read_requests
 from lodger.home import run_dir
 from lodger.ledger import Ledger

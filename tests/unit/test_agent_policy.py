@@ -16,7 +16,8 @@ import pytest
 from lodger import machine as machine_module
 from lodger.agent import Agent
 from lodger.machine import Sampler, on_battery, violations, within_hours
-from lodger.config import PolicyConfig, to_toml
+from lodger.config import PolicyConfig
+from lodger.tomlfile import to_toml
 from lodger.control import clear_request, effective, read_requests, write_request
 from lodger.home import run_dir
 from lodger.ledger import Ledger

@@ -75,7 +75,7 @@ def queue_add(job: Path, priority: int) -> None:
 
     Example: lodger queue add my-job.toml --priority 5
     """
-    from ..config import to_toml
+    from ..tomlfile import to_toml
     from ..jobfile import load_job
     from ..data import read_jsonl
     from ..ledger import Ledger

@@ -11,7 +11,7 @@ import click
 
 
 def _demo_job(folder: Path, steps: int, threads: int) -> Path:
-    from ..config import to_toml
+    from ..tomlfile import to_toml
 
     data = resources.files("lodger") / "demo"
     job = {

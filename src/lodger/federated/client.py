@@ -34,7 +34,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np
 
 from .. import durable
-from ..config import DATASET_PREFIX, read_toml, to_toml
+from ..config import DATASET_PREFIX, read_toml
+from ..tomlfile import to_toml
 from ..errors import FederatedError
 from .aggregate import tensors_bytes, tensors_sha256
 from .messages import CLIENT_ID, RoundOrder

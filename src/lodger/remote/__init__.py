@@ -99,7 +99,7 @@ def submit(plan) -> str:
     is the staging's commit), the local run is recorded with its target, and the job is submitted.
     A refused submission leaves the run recorded as failed, with the reason.
     """
-    from ..config import to_toml
+    from ..tomlfile import to_toml
     from ..home import run_dir
     from ..ledger import Ledger
     from ..config import job_hash

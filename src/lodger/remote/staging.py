@@ -47,7 +47,7 @@ def stage(plan, storage, run_id: str, head: dict | None = None):
     """Copy what leaves into ``<storage>/<run_id>/`` (a ``Storage``) and write the job that points
     at the copies, last; return that job and the sha256 of its job.toml."""
     from ..checkpoint import hash_file
-    from ..config import to_toml
+    from ..tomlfile import to_toml
 
     job = plan.job.model_copy(deep=True)
     run = storage.child(run_id)
