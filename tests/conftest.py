@@ -70,9 +70,29 @@ def _xdist_groups(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(module))
 
 
+def _group_in_nodeid(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """What xdist's worker does for ``--dist loadgroup`` (the controller reads a test's group from
+    the ``@group`` suffix of its id), done here because pytest 9.2 keeps ids in ``_id``, a NodeId,
+    and xdist 3.8 still writes ``_nodeid``: the groups were silently ignored (pytest-xdist issue
+    1386; two Ray heads ran at once). Harmless once xdist is fixed: an id that has its suffix is
+    left alone."""
+    if not config.getvalue("loadgroup"):
+        return
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks})
+        if names and "@" not in item.nodeid:
+            ident = f"{item.nodeid}@{'_'.join(names)}"
+            if hasattr(item, "_id"):
+                item._id = type(item._id).parse(ident)
+            else:  # pytest before 9.2
+                item._nodeid = ident
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _xdist_groups(items)
+    _group_in_nodeid(config, items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
