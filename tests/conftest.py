@@ -76,7 +76,7 @@ def _group_in_nodeid(config: pytest.Config, items: list[pytest.Item]) -> None:
     and xdist 3.8 still writes ``_nodeid``: the groups were silently ignored (pytest-xdist issue
     1386; two Ray heads ran at once). Harmless once xdist is fixed: an id that has its suffix is
     left alone."""
-    if not config.getvalue("loadgroup"):
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
         return
     for item in items:
         marks = item.iter_markers("xdist_group")

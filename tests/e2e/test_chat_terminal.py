@@ -59,6 +59,13 @@ def spawn(home, run_id: str) -> pexpect.spawn:
                          codec_errors="replace", dimensions=(50, 400), timeout=240)
 
 
+def pending_signals(pid: int) -> set[int]:
+    """Signals waiting for process ``pid`` (its own and its thread group's, /proc/PID/status)."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    mask = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return {n for n in range(1, 65) if mask & (1 << (n - 1))}
+
+
 def reply_after(child: pexpect.spawn) -> str:
     """The reply printed after `model> `, up to the next prompt (terminal escapes removed)."""
     child.expect_exact("model> ")
@@ -82,6 +89,10 @@ def test_chat_at_a_terminal_edits_lines_stops_replies_and_goes_on(baseline, chat
                    what="the chat to freeze itself mid-reply (LODGER_FAULT)", interval=0.02)
         child.send("zzz")
         child.sendintr()  # the terminal's SIGINT waits, pending, until the chat goes on
+        # The terminal turns ^C into SIGINT a moment after the write (the kernel's pty worker): go on
+        # only once the signal is pending, or the reply could end before it arrives (seen under load).
+        wait_until(lambda: signal.SIGINT in pending_signals(child.pid), 60, what="Ctrl-C's SIGINT to be pending",
+                   interval=0.02)
         os.kill(child.pid, signal.SIGCONT)
         child.expect_exact("model> ")
         child.expect_exact(" [stopped]")
