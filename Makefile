@@ -20,13 +20,23 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/lodger demo
 
-# The fast suite, then the slow smoke tests on the real SmolLM2.
+# Two workers (pytest-xdist): the tests mostly wait on the processes they start, so on 2 cores one
+# worker leaves a core idle. A fixed 2, not `auto`: `auto` counts physical cores (1 on a 2-vCPU VM
+# with hyper-threads) and would start one worker per core on a big machine, each training its own
+# session baselines. Groups (tests/conftest.py) keep one Ray head at a time and build a module's
+# fixtures once.
+PARALLEL := -n 2 --dist loadgroup
+
+# The fast suite on two workers, then the tests that need the machine to themselves (they measure
+# its whole CPU load), then the slow smoke tests on the real SmolLM2 (independent: two workers).
 test: $(STAMP)
-	$(PY) -m pytest -q
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q $(PARALLEL) -m 'not slow and not gpu and not solo'
+	$(PY) -m pytest -q -m solo
+	$(PY) -m pytest -q $(PARALLEL) -m slow
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -x
+	$(PY) -m pytest -q -x $(PARALLEL) -m 'not slow and not gpu and not solo'
+	$(PY) -m pytest -q -x -m solo
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py

@@ -7,7 +7,11 @@ Fixtures:
     chat_data       {"train": Path (64 lines), "eval": Path (16 lines)} chat JSONL
     text_data       {"train": Path (64 lines), "eval": Path (16 lines)} text JSONL
 
-Markers: ``slow``, ``gpu`` (gpu tests are skipped when CUDA is unavailable).
+Markers: ``slow``, ``gpu`` (gpu tests are skipped when CUDA is unavailable), ``solo`` (needs the
+machine to itself: `make test` runs these after the others, on one worker).
+
+Two workers (pytest-xdist, ``-n 2 --dist loadgroup``, as `make test` runs the suite): the groups
+made in ``_xdist_groups`` keep together what must not run twice at once or is costly to set up.
 """
 
 from __future__ import annotations
@@ -37,7 +41,58 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped when none is available")
 
 
+SHARED_PROCESS_FIXTURES = ("ray_head",)
+"""Fixtures that start a cluster of their own: every test using one runs on the same worker, one
+after the other, so that one such cluster at most exists at a time (a Ray head starts a dozen
+processes and claims its CPUs)."""
+
+
+def _xdist_groups(items: list[pytest.Item]) -> None:
+    """Put each test in an xdist group (``--dist loadgroup`` sends a group whole to one worker).
+
+    - a test using a SHARED_PROCESS_FIXTURES fixture: that fixture's group;
+    - else, a test using a module-scoped fixture of its own module (a trained run, a server): its
+      module's group, so that the fixture is built once, not once per worker;
+    - else none: tests are spread one by one (session fixtures are then built once per worker,
+      each in that worker's own temporary folder).
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        shared = [name for name in SHARED_PROCESS_FIXTURES if name in item.fixturenames]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
+            continue
+        defs = getattr(item, "_fixtureinfo", None)  # pytest's own record of the fixtures this test uses
+        module = item.nodeid.split("::", 1)[0]
+        if defs is not None and any(fixture.scope == "module" and fixture.baseid == module
+                                    for chain in defs.name2fixturedefs.values() for fixture in chain):
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
+def _group_in_nodeid(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """What xdist's worker does for ``--dist loadgroup`` (the controller reads a test's group from
+    the ``@group`` suffix of its id), done here because pytest 9.2 keeps ids in ``_id``, a NodeId,
+    and xdist 3.8 still writes ``_nodeid``: the groups were silently ignored (pytest-xdist issue
+    1386; two Ray heads ran at once). Harmless once xdist is fixed: an id that has its suffix is
+    left alone."""
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
+        return
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in marks})
+        if names and "@" not in item.nodeid:
+            ident = f"{item.nodeid}@{'_'.join(names)}"
+            if hasattr(item, "_id"):
+                item._id = type(item._id).parse(ident)
+            else:  # pytest before 9.2
+                item._nodeid = ident
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _xdist_groups(items)
+    _group_in_nodeid(config, items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

@@ -3,8 +3,10 @@
 
 - ``LODGER_FAULT=name`` or ``name@N``: ``fault_point(name)`` kills the process with SIGKILL at that
   place (its N-th occurrence, 1-based). The names are listed where they are used
-  (recovery.LEDGER_FAULT_POINTS, checkpoint.py, run.py). ``name@N:stop`` freezes the process there
-  with SIGSTOP instead, so a test can kill it (or what started it) at a known point, not a raced one.
+  (recovery.LEDGER_FAULT_POINTS, checkpoint.py, run.py, cli/serve.py). ``name@N:stop`` freezes the
+  process there with SIGSTOP instead, so a test can kill it (or what started it) at a known point,
+  not a raced one; it freezes once, at the N-th occurrence only: a process continued with SIGCONT
+  goes on past later occurrences.
 - ``LODGER_FAULT_ROUND=R``: the fault is armed only while a federated client trains round R
   (``in_round``), so one SuperNode's env can aim at one round of several.
 - ``LODGER_TEST_POISON_LINES=3,7``: a micro-batch holding one of these training-file lines gets
@@ -44,7 +46,7 @@ def fault_point(name: str) -> None:
     if aimed and _round != [int(aimed)]:
         return
     _fault_counts[name] = _fault_counts.get(name, 0) + 1
-    if _fault_counts[name] >= int(nth or 1):
+    if _fault_counts[name] == int(nth or 1):  # SIGKILL ends the process here; SIGSTOP fires only this once
         os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
 
 

@@ -8,18 +8,26 @@ empty line ends the session with exit code 0.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 
 import pexpect
+import psutil
 import pytest
 
-from helpers import LODGER, STANDARD_JOB, lodger_env
+from helpers import LODGER, STANDARD_JOB, lodger_env, wait_until
 
 LEFT, UP = "\x1b[D", "\x1b[A"
 PROMPT = "you>"  # prompt_toolkit draws the space after it as a cursor move
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[=>]")
-MAX_TOKENS = 480  # as long as the tiny model's context allows: Ctrl-C has a reply to interrupt
+MAX_TOKENS = 48  # a reply of many pieces: the one Ctrl-C stops has more to come
+# The chat freezes itself (SIGSTOP) right after printing the 2nd piece of its first reply, so the
+# test's keys and Ctrl-C land mid-reply for sure, however loaded the machine (a race before: the
+# reply could end first). It freezes once per process: later replies run through.
+FREEZE = "chat_token@2:stop"
+FROZEN_PIECES = 2
 
 
 @pytest.fixture
@@ -46,9 +54,16 @@ def answer(engine, run_id: str, history: list[dict], slot: str | None = None) ->
 
 
 def spawn(home, run_id: str) -> pexpect.spawn:
-    env = lodger_env(home, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+    env = lodger_env(home, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm", LODGER_FAULT=FREEZE)
     return pexpect.spawn(LODGER, ["chat", run_id, "--max-tokens", str(MAX_TOKENS)], env=env, encoding="utf-8",
                          codec_errors="replace", dimensions=(50, 400), timeout=240)
+
+
+def pending_signals(pid: int) -> set[int]:
+    """Signals waiting for process ``pid`` (its own and its thread group's, /proc/PID/status)."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    mask = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+    return {n for n in range(1, 65) if mask & (1 << (n - 1))}
 
 
 def reply_after(child: pexpect.spawn) -> str:
@@ -69,16 +84,27 @@ def test_chat_at_a_terminal_edits_lines_stops_replies_and_goes_on(baseline, chat
 
         # keys typed during a reply, then Ctrl-C: the reply stops, the session goes on
         child.send("Tell me more.\r")
-        child.expect(r"model> .")
-        started = child.after[len("model> "):]
+        chat = psutil.Process(child.pid)
+        wait_until(lambda: chat.status() == psutil.STATUS_STOPPED, 240,
+                   what="the chat to freeze itself mid-reply (LODGER_FAULT)", interval=0.02)
         child.send("zzz")
-        child.sendintr()
-        child.expect_exact("[stopped]")
-        partial = (started + ANSI.sub("", child.before)).replace("\r\n", "\n")
+        child.sendintr()  # the terminal's SIGINT waits, pending, until the chat goes on
+        # The terminal turns ^C into SIGINT a moment after the write (the kernel's pty worker): go on
+        # only once the signal is pending, or the reply could end before it arrives (seen under load).
+        wait_until(lambda: signal.SIGINT in pending_signals(child.pid), 60, what="Ctrl-C's SIGINT to be pending",
+                   interval=0.02)
+        os.kill(child.pid, signal.SIGCONT)
+        child.expect_exact("model> ")
+        child.expect_exact(" [stopped]")
+        partial = ANSI.sub("", child.before).replace("\r\n", "\n")
         child.expect_exact(PROMPT)
         assert "zzz" not in partial, "typed keys were echoed into the reply"
         full = answer(engine, run_id, [{"role": "user", "content": "Tell me more."}])
         assert full.startswith(partial) and len(partial) < len(full), (len(partial), len(full))
+        pieces = engine.generate(run_id, engine.encode_chat([{"role": "user", "content": "Tell me more."}]),
+                                 max_tokens=MAX_TOKENS, temperature=0, top_p=1.0, seed=None, stop=[])
+        assert partial == "".join(piece for piece, _, _ in list(pieces)[:FROZEN_PIECES]), \
+            "Ctrl-C stopped the reply right where it was frozen"
         child.send("/reset\r")
         child.expect_exact("(conversation forgotten)")
         child.expect_exact(PROMPT)

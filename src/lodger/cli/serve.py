@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..errors import LodgerError
+from ..faults import fault_point
 
 
 def _model_folder_for(runs: list[dict], model: str | None) -> Path:
@@ -185,6 +186,7 @@ def _converse(backend, interactive: bool) -> None:
                 for piece in pieces:
                     reply += piece
                     click.echo(piece, nl=False)
+                    fault_point("chat_token")  # a test freezes the chat mid-reply here (LODGER_FAULT)
             except KeyboardInterrupt:
                 click.echo(" [stopped]", nl=False)
             except LodgerError as exc:
