@@ -56,7 +56,13 @@ def answer(engine, run_id: str, history: list[dict], slot: str | None = None) ->
 def spawn(home, run_id: str) -> pexpect.spawn:
     env = lodger_env(home, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm", LODGER_FAULT=FREEZE)
     return pexpect.spawn(LODGER, ["chat", run_id, "--max-tokens", str(MAX_TOKENS)], env=env, encoding="utf-8",
-                         codec_errors="replace", dimensions=(50, 400), timeout=240)
+                         codec_errors="replace", dimensions=(50, 400), timeout=240, preexec_fn=_as_at_a_terminal)
+
+
+def _as_at_a_terminal() -> None:
+    """Ctrl-C's SIGINT as a person's shell leaves it: a suite started in the background (`make test &`,
+    nohup) ignores SIGINT, and an ignored signal is inherited and never even pending."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def pending_signals(pid: int) -> set[int]:
