@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import LodgerError
 # The model's arithmetic, re-exported: callers use memory.model_shape, memory.step_flops, ...
-from .memory_model import (Shape, activation_parts, layer_bytes, logits_bytes, model_shape,  # noqa: F401
+from .memory_model import (Shape, activation_parts, head_only_loss, layer_bytes, logits_bytes, model_shape,  # noqa: F401
                            step_flops, trainable_params)
 from .train.precision import MASTER_BYTES, MODES, mode
 from .train.throughput import flops_per_second, matmul_rate  # noqa: F401 (callers use memory.*)
@@ -107,7 +107,8 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     saved, recomputed = activation_parts(shape, tokens, seq, method, precision=precision,
                                          checkpointing=cfg.gradient_checkpointing)
     activations = saved + recomputed + BACKWARD_LAYERS * layer_bytes(shape, tokens, seq, method, precision=precision)
-    loss = logits_bytes(shape, batch, seq)
+    head_only = head_only_loss(model_config, bool(half))
+    loss = logits_bytes(shape, batch, seq, head_only=head_only, head_trains=method.kind == "full")
     copies = 0.0
     if half:  # one autocast copy of every linear weight (lm_head too, even when tied)
         copies = precision.value_bytes * (shape.layers * shape.layer_linear_params + shape.vocab * shape.hidden)
@@ -130,7 +131,8 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
         else:        # glibc's dynamic mmap threshold (see ALLOCATOR_RETAINED): the heap keeps what a
             # step freed, except the logits, whose blocks are too big for it; the checkpoint's
             # bytes come on top of the rest
-            heap = transient - (loss if 4 * tokens * shape.vocab >= MMAP_THRESHOLD_MAX else 0.0)
+            block = min(loss, 4 * tokens * shape.vocab)  # the largest logits block (a chunk: loss.py)
+            heap = transient - (loss if block >= MMAP_THRESHOLD_MAX else 0.0)
             allocator = max(0.0, ALLOCATOR_RETAINED * heap - gradients)
             overlap = min(checkpoint, loss)
     items = {"runtime": runtime, "weights": weights, "gradients": gradients, "optimizer": optimizer,

@@ -147,10 +147,27 @@ def activation_parts(shape: Shape, tokens: int, seq: int, method, *, precision: 
     return shape.layers * layer + final, 0.0
 
 
-def logits_bytes(shape: Shape, batch: int, seq: int) -> float:
-    """Peak of ``token_loss_sum`` and its backward pass: the logits, their log-softmax and the
-    logits' gradient (fp32), 12 bytes per token and vocabulary entry (measured)."""
-    return 12 * batch * seq * shape.vocab
+def logits_bytes(shape: Shape, batch: int, seq: int, *, head_only: bool = False,
+                 head_trains: bool = False) -> float:
+    """Peak of ``token_loss_sum`` and its backward pass. Whole logits: the logits, their
+    log-softmax and the logits' gradient (fp32), 12 bytes per token and vocabulary entry
+    (measured). ``head_only`` (train/loss.py): two chunks of logits, the hidden states' gradient
+    and, when the head trains, its fp32 gradient."""
+    if not head_only:
+        return 12 * batch * seq * shape.vocab
+    from .train.loss import CHUNK_BYTES
+
+    chunk = min(CHUNK_BYTES + 4 * shape.vocab, 4 * batch * seq * shape.vocab)
+    return 2 * chunk + 4 * batch * seq * shape.hidden + (4 * shape.vocab * shape.hidden if head_trains else 0)
+
+
+def head_only_loss(model_config: dict, autocast: bool) -> bool:
+    """Whether a run's loss takes the head on labelled positions only (train/loss.head_parts),
+    from config.json: a model type whose logits are the head's output, no autocast."""
+    from .train.loss import HEAD_ONLY
+
+    return not autocast and model_config.get("model_type") in HEAD_ONLY
+
 
 def token_flops(shape: Shape, method, context: float) -> tuple[float, float]:
     """(model FLOPs, recomputation FLOPs) per computed position of a micro-batch whose rows are

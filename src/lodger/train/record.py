@@ -82,7 +82,7 @@ class Recorder:
         fields: dict = {"tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None}
         if computed > 0:
             fields.update(computed=computed, padded=padded, padding=round(padded / computed, 4))
-            mfu = self.work.mfu(computed, padded, seconds) if self.work is not None else None
+            mfu = self.work.mfu(computed, padded, seconds, tokens) if self.work is not None else None
             if mfu is not None:
                 fields["mfu"] = round(mfu, 4)
         return fields

@@ -169,7 +169,7 @@ class Session:
                                  job.training.log_every, writes=self.sync.writes)
         self.recorder.work = StepWork(self.model, rows=job.training.batch_size * job.training.grad_accum,
                                       threads=job.training.threads, precision=job.training.precision,
-                                      device=self.device)  # MFU on the step line (waste's hunk)
+                                      device=self.device, world=job.training.world_size)  # MFU on the step line
         facts = holders.RunFacts(run_id, prepared, self.fingerprint)
         state = {"facts": facts, "weights": holders.Weights(self.model, job.method),
                  "optimizer": holders.Optimizer(self.optimizer), "rng": holders.Rng(self.sync),

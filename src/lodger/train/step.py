@@ -9,17 +9,26 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .loss import head_loss_sum, head_parts
+
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Summed next-token cross entropy over positions with a label, and how many there were.
 
     The labels move left instead of the logits (the last position predicts nothing): slicing the
-    logits would copy them, the largest tensor of the step (batch x length x vocabulary)."""
+    logits would copy them, the largest tensor of the step (batch x length x vocabulary). Where
+    the model's head allows (loss.py), the logits are never made whole: only positions with a
+    label go through the head, a chunk at a time."""
     # A packed batch (packing.py) has position_ids and no attention_mask; without a KV cache
     # transformers reads the example boundaries from the restarting position ids.
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = model(**inputs, use_cache=False).logits
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    parts = head_parts(model)
+    if parts is not None and not torch.is_autocast_enabled(labels.device.type):
+        decoder, head = parts
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        return head_loss_sum(hidden, head.weight, labels), int((labels != -100).sum())
+    logits = model(**inputs, use_cache=False).logits
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
                            ignore_index=-100, reduction="sum")
     return loss, int((labels != -100).sum())

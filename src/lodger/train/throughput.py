@@ -96,8 +96,11 @@ class StepWork:
     """The model's numbers for ``token_flops``, counted on the loaded model, and the rate to
     divide by (measured on first use, after a step, so no step is slowed)."""
 
-    def __init__(self, model, *, rows: int, threads: int, precision: str, device: str):
+    def __init__(self, model, *, rows: int, threads: int, precision: str, device: str, world: int = 1):
         import torch
+
+        from .loss import head_parts
+        from .precision import mode
 
         matmul = trainable = 0
         for module in model.modules():
@@ -108,20 +111,31 @@ class StepWork:
         heads = getattr(config, "num_attention_heads", 0) or 0
         head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // max(heads, 1))
         self.matmul, self.trainable = matmul, trainable
+        # Where the loss runs the head on labelled positions only (loss.py), those are its FLOPs.
+        parts = None if mode(precision).autocast else head_parts(model)
+        self.head = parts[1].weight.numel() if parts else 0
+        self.head_trainable = self.head if parts and parts[1].weight.requires_grad else 0
+        self.world = max(1, world)
         self.attention_width = heads * head_dim * (getattr(config, "num_hidden_layers", 0) or 0)
         self.rows = max(1, rows)  # micro-batch rows per step on this rank: computed / rows = mean width
         self.threads, self.precision, self.device = threads, precision, device
         self.rate: float | None = None
 
-    def flops(self, computed: int, padded: int) -> float:
-        """Model FLOPs of a step's real (non-padding) positions, attention at the mean row width."""
-        return (computed - padded) * token_flops(self.matmul, self.trainable, self.attention_width,
-                                                 computed / self.rows)
+    def flops(self, computed: int, padded: int, targets: int = 0) -> float:
+        """Model FLOPs of a step's real (non-padding) positions, attention at the mean row width;
+        the head's only at its ``targets`` (this rank's labelled positions) when the loss skips
+        the rest (loss.py)."""
+        body = token_flops(self.matmul - self.head, self.trainable - self.head_trainable, self.attention_width,
+                           computed / self.rows)
+        head = token_flops(self.head, self.head_trainable, 0.0, 0.0)
+        real = computed - padded
+        return real * body + (min(targets, real) if self.head else real) * head
 
-    def mfu(self, computed: int, padded: int, seconds: float) -> float | None:
-        """Model FLOPs utilisation of a step: its model FLOPs over its time, against the matmul rate."""
+    def mfu(self, computed: int, padded: int, seconds: float, tokens: int = 0) -> float | None:
+        """Model FLOPs utilisation of a step: its model FLOPs over its time, against the matmul
+        rate. ``tokens``: the step's target tokens, every rank's."""
         if computed <= 0 or seconds <= 0 or not self.matmul:
             return None
         if self.rate is None:
             self.rate = matmul_rate(self.threads, self.precision, self.device)
-        return self.flops(computed, padded) / seconds / self.rate
+        return self.flops(computed, padded, tokens // self.world) / seconds / self.rate
