@@ -240,8 +240,19 @@ class FederatedPrivacyConfig(Section):
     local_delta: Float | None = Field(None, gt=0, lt=1)
     """The delta of `local_epsilon` (the chance the guarantee fails), e.g. 1e-5."""
     secure_aggregation: bool = False
-    """Mask updates so the server sees only their sum (Flower's SecAgg+). Not supported: a job asking
-    for it is refused rather than run without it (why: federated/plan.py SECAGG_REFUSAL)."""
+    """Flower's SecAgg+ (`SecAggPlusWorkflow`, `secaggplus_mod`): clients send masked, quantized
+    updates and the server can unmask only their token-weighted sum (docs/federated.md)."""
+    secagg_num_shares: Int | Float = Field(1.0, gt=0)
+    """SecAgg+ `num_shares`: a float is the fraction of the round's clients each client shares its
+    secrets with (1.0: all of them), an int (> 2) the number."""
+    secagg_reconstruction_threshold: Int | Float = Field(0.5, gt=0)
+    """SecAgg+ `reconstruction_threshold`: shares needed to rebuild a secret (a float: that fraction
+    of num_shares; never below 2). Higher is more private, lower survives more dropped clients."""
+    secagg_clipping_range: Float = Field(8.0, gt=0)
+    """SecAgg+ `clipping_range`: adapter values must lie in [-range, range] to be quantized (a client
+    whose adapter does not is refused, never silently clipped); smaller is more precise."""
+    secagg_quantization_range: Int = Field(4194304, gt=1, lt=2**31)
+    """SecAgg+ `quantization_range`: quantization levels over [-clipping_range, clipping_range]."""
 
     @model_validator(mode="after")
     def _noise_needs_clip(self) -> "FederatedPrivacyConfig":

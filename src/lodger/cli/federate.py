@@ -54,8 +54,8 @@ def print_plan(plan) -> None:
     dp = (f"{how['clipping']} on each client; noise: {how['noise'] or 'none'}" if how.get("clipping")
           else "off (updates are sent unclipped and without noise)")
     echo(f"update protection: {dp}; secure aggregation "
-         f"{'ASKED (not supported: refused)' if p['secure_aggregation'] else 'off (the server sees each update)'}")
-    if how.get("reproducible") and how.get("noise"):
+         f"{how['secure_aggregation'] if p['secure_aggregation'] else 'off (the server sees each update)'}")
+    if how.get("reproducible") and (how.get("noise") or p["secure_aggregation"]):
         echo(f"  reproducible: {how['reproducible']}")
 
 

@@ -296,24 +296,34 @@ def train_round(job_path: Path, client_id: str, dataset: str, order: RoundOrder,
     return trained, facts
 
 
-def record_round(event: dict, sent: dict) -> None:
+def record_round(event: dict, sent: dict, masked: dict | None = None) -> None:
     """The client's `federated_client_round` event: what it received, what it sent (the tensors as
-    they leave, after any protection), its dataset, its token count, and where the seconds went."""
+    they leave, after any protection), its dataset, its token count, and where the seconds went.
+    ``masked``: a SecAgg+ round (secagg.py): what left is Flower's masked vector (its hash and
+    bytes); the adapter it was made from never left and is recorded as `contributed`."""
     from ..ledger import Ledger
 
     event = dict(event)
     run_id, marks = event.pop("run_id"), event.pop("marks")
     marks["sent"] = time.time()
+    adapter = {"sha256": tensors_sha256(sent), "bytes": tensors_bytes(sent), "tensors": len(sent)}
+    if masked is None:
+        event["sent"] = {**adapter, "what": "adapter tensors, target-token count, metrics"}
+    else:
+        event["sent"] = {**masked, "what": "SecAgg+ masked vector of the quantized token-weighted adapter, "
+                                           "target-token count, metrics"}
+        event["contributed"] = {**adapter, "what": "the adapter in the masked sum (never sent in the clear)"}
     with Ledger() as ledger:
-        ledger.event(run_id, "federated_client_round", **event,
-                     sent={"sha256": tensors_sha256(sent), "bytes": tensors_bytes(sent), "tensors": len(sent),
-                           "what": "adapter tensors, target-token count, metrics"},
-                     seconds=round_timings(marks, run_id))
+        ledger.event(run_id, "federated_client_round", **event, seconds=round_timings(marks, run_id))
 
 
 PENDING: dict[str, dict] = {}
 """The round record of the message this ClientApp process is answering, by the message's id, until
 the outermost mod (`seal`) records it with the tensors as they finally leave."""
+SECURED: set[str] = set()
+"""Ids of messages that came through Flower's secaggplus_mod (secagg.py): `seal` leaves their record
+in SEALED for `secure_mod`, which records it once Flower has masked what leaves."""
+SEALED: dict[str, tuple[dict, dict]] = {}
 
 
 def _handle(msg, context):
@@ -357,8 +367,24 @@ def seal(msg, context, call_next):
     reply = dict(out.content["reply"])
     reply.update({"sha256": tensors_sha256(sent), "bytes": tensors_bytes(sent)})
     out.content["reply"] = ConfigRecord(reply)
-    record_round(pending, sent)
+    if msg.metadata.message_id in SECURED:
+        SEALED[msg.metadata.message_id] = (pending, sent)
+    else:
+        record_round(pending, sent)
     return out
+
+
+def client_job(context) -> tuple[Path, dict] | None:
+    """The job file this ClientApp's context names (node config, else the run's) and its table;
+    None when it is not on this machine (the app then refuses the round with the fix). Sets the
+    owner's LODGER_HOME from the node config."""
+    node = context.node_config
+    if node.get("lodger-home"):
+        os.environ["LODGER_HOME"] = str(node["lodger-home"])
+    job_path = Path(str(node.get("job") or context.run_config.get("job") or ""))
+    if not job_path.is_file():
+        return None
+    return job_path, read_toml(job_path, "job file")
 
 
 def protection(msg, context, call_next):
@@ -367,15 +393,12 @@ def protection(msg, context, call_next):
         return call_next(msg, context)
     from .privacy import protect_mod
 
-    node = context.node_config
-    if node.get("lodger-home"):
-        os.environ["LODGER_HOME"] = str(node["lodger-home"])
-    job_path = Path(str(node.get("job") or context.run_config.get("job") or ""))
-    if not job_path.is_file():
+    found = client_job(context)
+    if found is None:
         return call_next(msg, context)  # the app refuses it with the fix
-    raw = read_toml(job_path, "job file")
+    raw = found[1]
     privacy = (raw.get("federated") or {}).get("privacy") or {}
-    client_id = str(node.get("client-id", ""))
+    client_id = str(context.node_config.get("client-id", ""))
     job_id = str(msg.content["round"]["job-id"]) if "round" in msg.content else ""
     secret = noise_secret(job_id) if privacy.get("local_epsilon") is not None else b""
     mod = protect_mod(privacy, int((raw.get("training") or {}).get("seed", 0)), client_id, secret)
@@ -414,7 +437,11 @@ def _owner_permission(job_path: Path, dataset: str) -> None:
 def _make_app():
     from flwr.clientapp import ClientApp
 
-    client_app = ClientApp(mods=[seal, protection])
+    from .secagg import secure_mod
+
+    # Outermost first: Flower's SecAgg+ masks what the rest made; seal records the tensors as
+    # Flower's DP mods (protection) left them.
+    client_app = ClientApp(mods=[secure_mod, seal, protection])
 
     @client_app.train()
     def train(msg, context):

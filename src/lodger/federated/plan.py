@@ -8,8 +8,8 @@ adapter (every tensor named, with its shape and bytes), the number of target tok
 on, and a few metrics; the server sends the global adapter, the same tensors, to each client.
 
 Checks: the job has a [federated] section; every limit is declared ([federated] rounds, [remote]
-wall_hours, [limits] max_compute_hours: the compute one client gives); secure aggregation is not
-asked for (SECAGG_REFUSAL says why it cannot be, so it refuses rather than run without it); on a
+wall_hours, [limits] max_compute_hours: the compute one client gives); secure aggregation's
+parameters are ones Flower's SecAgg+ runs and a sum hides one update (secagg.problems); on a
 client, every data file is a registered dataset that may federate (owner.py); plain-text
 transport only on loopback. Checking writes nothing; ``record`` puts the verdict in the ledger.
 
@@ -93,23 +93,8 @@ class FederatedPlan:
             "rounds": fed.rounds, "local_steps": fed.local_steps, "min_clients": fed.min_clients,
             "clients_per_round": fed.clients_per_round, "round_timeout_seconds": fed.round_timeout_seconds,
             "limits": self.limits(),
-            "privacy": {**fed.privacy.model_dump(mode="json"), "mechanism": mechanism(fed.privacy.model_dump())},
+            "privacy": {**fed.privacy.model_dump(mode="json"), "mechanism": mechanism(fed.privacy.model_dump(), tokens)},
         }
-
-
-SECAGG_REFUSAL = (
-    "not supported, and the job is refused rather than run without the protection it asks for. Flower "
-    "1.42's SecAgg+ exists only for its legacy strategy workflow: SecAggPlusWorkflow.__call__ "
-    "(flwr/server/workflow/secure_aggregation/secaggplus_workflow.py) raises TypeError unless it is given "
-    "a LegacyContext, and it gets the round's instructions from that context's legacy Strategy "
-    "(configure_fit, FitIns); on the client, secaggplus_mod (flwr/client/mod/secure_aggregation/"
-    "secaggplus_mod.py) reads the reply as a legacy FitRes (compat.recorddict_to_fitres) and needs four "
-    "message stages per round. flwr.serverapp and flwr.clientapp (the Message API lodger's ServerApp "
-    "and committed round loop use) have no SecAgg+. And it sums quantized updates (clipping_range, "
-    "quantization_range), so a round's adapter could not be the exact float64 FedAvg that a restarted "
-    "server reproduces bit for bit. Fix: set it to false (clip_norm with local_epsilon/local_delta adds "
-    "noise on each client, so the server never sees an update without noise)")
-"""Why `secure_aggregation = true` is refused (plan check and server)."""
 
 
 def adapter_tensors(job, model_config: dict) -> list[Tensor]:
@@ -165,8 +150,9 @@ def check(job_path: Path, side: str, *, server: str, insecure: bool = False,
 
     plan = FederatedPlan(job_path.resolve(), job, side, server, dataset=job_dataset(job) if side == "client" else None)
     reasons = _limit_problems(job)
-    if job.federated.privacy.secure_aggregation:
-        reasons.append("[federated.privacy] secure_aggregation = true: " + SECAGG_REFUSAL)
+    from .secagg import problems
+
+    reasons += problems(job.federated.privacy.model_dump(), job.federated.model_dump())
     try:
         check_insecure(server, insecure)
     except LodgerError as exc:

@@ -66,20 +66,34 @@ def seed_numpy(parts: tuple, secret: bytes) -> None:
     np.random.seed(np.frombuffer(digest, dtype=np.uint32))
 
 
-def mechanism(privacy: dict) -> dict:
-    """What protects the updates, as recorded in the ledger and printed by the gate."""
+def mechanism(privacy: dict, max_weight: float | None = None) -> dict:
+    """What protects the updates, as recorded in the ledger and printed by the gate (``max_weight``:
+    the job's token bound per client and round, named in the secure-aggregation line)."""
+    from .secagg import describe
+
+    secure = describe(privacy, max_weight)
     if not privacy.get("clip_norm"):
-        return {"clipping": None, "noise": None}
+        out = {"clipping": None, "noise": None}
+        if secure:
+            out.update(secure_aggregation=secure, reproducible=SECAGG_REPRODUCIBLE)
+        return out
     local = privacy.get("local_epsilon") is not None
     noise = []
     if local:
         noise.append(f"local: flwr LocalDpMod (epsilon {privacy['local_epsilon']:g}, delta {privacy['local_delta']:g})")
     if privacy.get("noise_multiplier"):
         noise.append(f"central: the server adds Gaussian noise x{privacy['noise_multiplier']:g} to the aggregate")
-    return {"clipping": f"flwr {'LocalDpMod' if local else 'fixedclipping_mod'} to L2 norm {privacy['clip_norm']:g}",
-            "noise": "; ".join(noise) or None,
-            "reproducible": "bitwise on the same machines (noise seeded by the job seed, the round and a secret "
-                            "kept by the side that adds it); not elsewhere"}
+    out = {"clipping": f"flwr {'LocalDpMod' if local else 'fixedclipping_mod'} to L2 norm {privacy['clip_norm']:g}",
+           "noise": "; ".join(noise) or None,
+           "reproducible": "bitwise on the same machines (noise seeded by the job seed, the round and a secret "
+                           "kept by the side that adds it); not elsewhere"}
+    if secure:
+        out.update(secure_aggregation=secure, reproducible=out["reproducible"] + "; " + SECAGG_REPRODUCIBLE)
+    return out
+
+
+SECAGG_REPRODUCIBLE = ("SecAgg+: bitwise (its masks cancel exactly; its stochastic rounding is seeded by the job "
+                       "seed, the round and the client id)")
 
 
 def protect_mod(privacy: dict, seed: int, client_id: str, secret: bytes):

@@ -41,10 +41,11 @@ def load_federated_job(path: Path) -> JobConfig:
         raise FederatedError(f"{path}: " + "; ".join(describe(e) for e in exc.errors())) from None
     if job.federated is None:
         raise FederatedError(f"{path}: no [federated] section; add one (rounds, local_steps, min_clients)")
-    if job.federated.privacy.secure_aggregation:
-        from .plan import SECAGG_REFUSAL
+    from .secagg import problems
 
-        raise FederatedError(f"{path}: [federated.privacy] secure_aggregation = true: {SECAGG_REFUSAL}")
+    wrong = problems(job.federated.privacy.model_dump(), job.federated.model_dump())
+    if wrong:
+        raise FederatedError(f"{path}: " + "; ".join(wrong))
     return job
 
 
@@ -192,8 +193,9 @@ def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committ
         # adapter_config imports peft (and so torch): made at the first commit, while the clients'
         # first round has already been asked, not before it (a round's cost, measured in bench/).
         config_bytes = _Once(lambda: adapter_config(job))
-        if current.round == 0 and job.federated.privacy.clip_norm:
-            from .privacy import initial_adapter  # Flower's clipping mods need the update's start
+        if current.round == 0 and (job.federated.privacy.clip_norm or job.federated.privacy.secure_aggregation):
+            # Flower's clipping mods need the update's start; SecAgg+ needs the adapter's layout
+            from .privacy import initial_adapter
 
             current = Committed(0, initial_adapter(job, Path(str(run_config.get("job")))), b"", {})
         ledger.event(None, "federated_server_started", job_id=job_id, resumed_after_round=current.round,
@@ -263,8 +265,15 @@ def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: Roun
               ledger, roster: Roster | None = None) -> Committed:
     """Ask round ``current.round + 1`` until enough clients answer, then aggregate and commit it."""
     round_no, fed = current.round + 1, job.federated
+    roster = roster if roster is not None else Roster()
     for attempt in range(1, MAX_SHORT_ROUNDS + 1):
-        good, declined = ask_round(grid, job, job_id, round_no, current, roster)
+        secure = None
+        if fed.privacy.secure_aggregation:
+            from .secagg_round import secure_round
+
+            good, declined, secure = secure_round(grid, job, job_id, round_no, current, roster)
+        else:
+            good, declined = ask_round(grid, job, job_id, round_no, current, roster)
         if len(good) >= fed.min_clients:
             break
         ledger.event(None, "federated_round_short", job_id=job_id, round=round_no, attempt=attempt,
@@ -275,17 +284,20 @@ def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: Roun
     privacy = fed.privacy.model_dump() if fed.privacy.noise_multiplier else None
     config_bytes = config_bytes() if callable(config_bytes) else config_bytes
     return commit_round(job_id, round_no, good, declined, current, store, config_bytes, ledger, fed.aggregation,
-                        privacy=privacy, seed=job.training.seed)
+                        privacy=privacy, seed=job.training.seed, secure=secure)
 
 
 def commit_round(job_id: str, round_no: int, good: list, declined: dict, current: Committed, store: RoundStore,
                  config_bytes: bytes, ledger, aggregation: str = "fedavg", privacy: dict | None = None,
-                 seed: int = 0) -> Committed:
+                 seed: int = 0, secure: tuple[dict, dict] | None = None) -> Committed:
     """Aggregate the good replies ((Reply, node) pairs) of round ``round_no``, commit the round, and
     record it (a `federated_round` event: what `lodger compare` and `lodger export` read back).
-    ``privacy`` with a noise_multiplier: Flower's central Gaussian noise on the aggregate (privacy.py)."""
+    ``privacy`` with a noise_multiplier: Flower's central Gaussian noise on the aggregate (privacy.py).
+    ``secure``: a SecAgg+ round's (aggregate, record) from secagg_round.py: Flower's unmasked mean
+    replaces the FedAvg of replies the server never saw; the record goes in `secure_aggregation`."""
     updates = [Update(r.client_id, r.tokens, r.tensors) for r, _ in good]
-    tensors, noise = fedavg(updates, current.tensors or None), {}
+    tensors = secure[0] if secure else fedavg(updates, current.tensors or None)
+    noise = {}
     if privacy:
         from .privacy import central_noise, kept_secret
 
@@ -301,6 +313,8 @@ def commit_round(job_id: str, round_no: int, good: list, declined: dict, current
              "total_steps": int(current.state.get("total_steps", 0)) + sum(r.steps for r, _ in good)}
     if noise:
         state["privacy"] = noise
+    if secure:
+        state["secure_aggregation"] = secure[1]
     store.commit(round_no, tensors, config_bytes, state)
     ledger.event(None, "federated_round", **state)
     return Committed(round_no, tensors, config_bytes, state)

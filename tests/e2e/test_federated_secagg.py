@@ -1,0 +1,98 @@
+"""Secure aggregation on Flower's deployment runtime: a real SuperLink and two real SuperNodes on
+127.0.0.1, `[federated.privacy] secure_aggregation = true`, two rounds of one local step.
+
+Each round runs Flower's SecAggPlusWorkflow (server) and secaggplus_mod (clients) around lodger's
+round. The server never sees a client's adapter, so the check that it aggregated right is made
+here from the clients' side: each client's ledger names the adapter it put into the masked sum
+(`contributed`, its hash) and its local run holds that adapter; their plain token-weighted FedAvg
+is the server's committed round within the error bound the server recorded for it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from helpers import wait_until
+
+from test_federated import _client_home, _committed_rounds, _events, _job, _start_server, _submit
+
+from lodger.federated import processes
+
+ROUNDS = 2
+CLIENTS = ("alice", "bob")
+
+
+def test_two_clients_two_secure_rounds_aggregate_to_the_fedavg_of_what_they_contributed(tiny_model_dir, tmp_path):
+    from lodger.federated.aggregate import Update, fedavg, tensors_sha256
+    from lodger.federated.rounds import RoundStore, safetensors_tensors
+
+    job = _job(tmp_path, tiny_model_dir, rounds=ROUNDS, local_steps=1)
+    job.write_text(job.read_text() + "\n[federated.privacy]\nsecure_aggregation = true\nsecagg_clipping_range = 2.0\n")
+    homes = {name: _client_home(tmp_path, name, seed) for seed, name in enumerate(CLIENTS)}
+    port = processes.free_port()
+    superlink = f"127.0.0.1:{port}"
+    server_home = tmp_path / "home-server"
+    started: list[processes.Started] = []
+    try:
+        server = _start_server(tmp_path, port)
+        started.append(server)
+        for name, home in homes.items():
+            started.append(processes.start_supernode(
+                home, superlink, {"lodger-home": str(home), "client-id": name, "dataset": f"{name}-notes",
+                                  "job": str(job)}))
+        flower_run = _submit(tmp_path, superlink, job)
+        wait_until(lambda: _events(server_home, "federated_finished"), 900, server.process,
+                   what="the secure federated run finished", interval=0.5)
+        status = wait_until(lambda: (st := processes.run_status(server_home, flower_run)).startswith("finished")
+                            and st, 120, server.process, what="Flower's run finished", interval=1.0)
+        assert status == "finished:completed", status
+    finally:
+        for process in reversed(started):
+            process.stop()
+    assert _committed_rounds(server_home) == list(range(1, ROUNDS + 1))
+    [begun] = _events(server_home, "federated_server_started")
+    assert begun["data"]["protection"]["secure_aggregation"].startswith("on: flwr SecAggPlusWorkflow")
+
+    store = RoundStore("fedjob", root=server_home)
+    rounds = {e["data"]["round"]: e["data"] for e in _events(server_home, "federated_round")}
+    assert sorted(rounds) == list(range(1, ROUNDS + 1))
+    for round_no, event in rounds.items():
+        secure = event["secure_aggregation"]
+        assert secure["protocol"] == "flwr SecAggPlusWorkflow + secaggplus_mod" and secure["clients"] == 2
+        assert secure["clipping_range"] == 2.0 and secure["quantization_range"] == 4194304
+        assert secure["max_weight"] == 1 * 2 * 1 * 48  # local_steps x batch_size x grad_accum x max_length
+        # the server saw no client's adapter: it records none of their hashes
+        assert [p["client_id"] for p in event["participants"]] == sorted(CLIENTS)
+        assert all(p["sha256"] is None and p["target_tokens"] > 0 for p in event["participants"])
+
+        # what each client put into the masked sum: its ledger's hash, its local run's adapter
+        updates = []
+        for name, home in homes.items():
+            [sent] = [e["data"] for e in _events(home, "federated_client_round") if e["data"]["round"] == round_no]
+            record = home / "federated" / "fedjob" / "client" / f"round-{round_no:06d}.json"
+            run_id = json.loads(record.read_text())["run_id"]
+            adapter = safetensors_tensors((home / "runs" / run_id / "adapter" / "adapter_model.safetensors")
+                                          .read_bytes())
+            assert sent["contributed"]["sha256"] == tensors_sha256(adapter)
+            assert "masked" in sent["sent"]["what"] and sent["sent"]["sha256"] != sent["contributed"]["sha256"]
+            assert sent["sent"]["bytes"] >= 2 * sent["contributed"]["bytes"]  # int64 masked values vs float32
+            assert sent["received"]["sha256"] == event["started_from"]
+            updates.append(Update(name, sent["target_tokens"], adapter))
+        plain = fedavg(updates)
+        secured = store.tensors_of(round_no)
+        assert tensors_sha256(secured) == event["sha256"] and sorted(secured) == sorted(plain)
+        worst = max(float(np.max(np.abs(secured[k].astype(np.float64) - plain[k]))) for k in plain)
+        peak = max(float(np.max(np.abs(v))) for v in plain.values())
+        allowed = secure["error_bound"]["total"] + 2 * peak * 2.0 ** -24  # + the float32 casts of both
+        assert 0 < worst <= allowed, (round_no, worst, secure["error_bound"])
+
+    # the global adapter loads with plain peft on the base model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = server_home / "federated" / "fedjob" / "adapter"
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(adapter))
+    assert any("lora_A" in name for name, _ in model.named_parameters())

@@ -1,0 +1,169 @@
+"""Secure aggregation (secagg.py, secagg_round.py) with Flower's real SecAggPlusWorkflow and
+secaggplus_mod, in this process: a small fake Grid hands each message to the node's side at once
+(Flower's mod with lodger's train stage around a stand-in for the training app). No processes,
+no torch: the protocol, lodger's translation at its seam, the sum, the bound, the seeding."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+
+import numpy as np
+import pytest
+
+from lodger.errors import FederatedError
+from lodger.federated.aggregate import Update, fedavg, tensors_sha256
+from lodger.federated.rounds import Committed
+from lodger.federated.sampling import Roster
+from lodger.federated.secagg import error_bound, problems
+
+NAMES = ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight")
+
+
+def _raw(**privacy) -> dict:
+    return {"name": "sa", "model": {"source": "unused"}, "data": {"train": "unused.jsonl", "max_length": 48},
+            "training": {"steps": 1, "batch_size": 2, "grad_accum": 1, "seed": 3},
+            "federated": {"rounds": 2, "local_steps": 1, "min_clients": 2, "round_timeout_seconds": 30.0,
+                          "privacy": {"secure_aggregation": True, **privacy}}}
+
+
+def _global() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {NAMES[0]: (rng.standard_normal((4, 16)) * 0.1).astype(np.float32),
+            NAMES[1]: np.zeros((16, 4), np.float32)}
+
+
+class FakeGrid:
+    """Flower's Grid as lodger's exchange uses it: push answers at once, pull returns the answers."""
+
+    def __init__(self, nodes: dict[int, object]):
+        self.nodes, self.replies = nodes, {}
+
+    def get_node_ids(self):
+        return sorted(self.nodes)
+
+    def push_messages(self, messages):
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # Flower's grid sets it on push
+            msg.content = copy.deepcopy(msg.content)  # a node gets its own copy, as over the wire
+            self.replies[msg.metadata.message_id] = self.nodes[msg.metadata.dst_node_id](msg)
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+
+def _node(node_id: int, client_id: str, tokens: int, raw: dict, fail_training: bool = False):
+    """One client: Flower's secaggplus_mod, lodger's train stage, and in place of the training app
+    a reply whose adapter is the global one moved by a client-specific amount (kept in TRAINED)."""
+    from flwr.app import Context, Error, Message, RecordDict
+    from flwr.client.mod import secaggplus_mod
+
+    from lodger.federated.messages import read_round, reply_content
+    from lodger.federated.secagg import train_stage
+
+    context = Context(1, node_id, {}, RecordDict(), {})
+
+    def app(msg, ctxt):
+        if fail_training:
+            raise FederatedError(f"{client_id} died while training")
+        order = read_round(msg.content)
+        rng = np.random.default_rng(node_id)
+        trained = {k: (v + rng.standard_normal(v.shape) * 0.01).astype(np.float32) for k, v in order.tensors.items()}
+        TRAINED[(order.round, client_id)] = trained
+        return Message(reply_content(client_id, trained, tokens=tokens, steps=1, loss=1.0, started_from=order.sha256),
+                       reply_to=msg)
+
+    def handle(msg):
+        try:
+            return secaggplus_mod(msg, context, lambda m, c: train_stage(m, c, app, raw))
+        except Exception as exc:  # as Flower's ClientApp runtime answers an exception
+            return Message(Error(0, str(exc)), reply_to=msg)
+
+    return handle
+
+
+TRAINED: dict = {}
+
+
+@pytest.fixture
+def flower_task(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+    TRAINED.clear()
+
+
+def _round(raw: dict, clients: dict[int, tuple[str, int, bool]], current: dict):
+    from lodger.config import JobConfig
+    from lodger.federated.secagg_round import secure_round
+
+    grid = FakeGrid({n: _node(n, c, t, raw, f) for n, (c, t, f) in clients.items()})
+    return secure_round(grid, JobConfig.model_validate(raw), "sa", 1, Committed(0, current), Roster())
+
+
+def test_the_unmasked_sum_is_the_token_weighted_fedavg_within_the_bound_and_bitwise_repeatable(flower_task):
+    current, raw = _global(), _raw(secagg_clipping_range=1.0)
+    clients = {11: ("alice", 90, False), 22: ("bob", 30, False)}
+    good, declined, (aggregate, record) = _round(raw, clients, current)
+    assert declined == {} and sorted(r.client_id for r, _ in good) == ["alice", "bob"]
+    assert all(r.sha256 is None and r.tensors == {} for r, _ in good)  # the server never saw an adapter
+    plain = fedavg([Update(c, t, TRAINED[(1, c)]) for c, t, _ in clients.values()])
+    worst = max(float(np.max(np.abs(aggregate[k].astype(np.float64) - plain[k]))) for k in plain)
+    bound = error_bound([90, 30], 1.0, 4194304, 96.0)
+    assert record["error_bound"] == bound and record["max_weight"] == 96.0 and record["clients"] == 2
+    assert 0 < worst <= bound["total"] + 2 * 2.0 ** -24, (worst, bound)
+    assert aggregate[NAMES[0]].dtype == np.float32
+    # Fresh keys and masks every time (os.urandom), the same rounding seeds: the same bytes.
+    _, _, (again, _) = _round(raw, clients, current)
+    assert tensors_sha256(again) == tensors_sha256(aggregate)
+
+
+def test_a_client_that_drops_while_training_is_unmasked_out_of_the_sum(flower_task):
+    current, raw = _global(), _raw()
+    clients = {11: ("alice", 40, False), 22: ("bob", 50, False), 33: ("carol", 60, True)}
+    good, declined, (aggregate, record) = _round(raw, clients, current)
+    assert sorted(r.client_id for r, _ in good) == ["alice", "bob"] and list(declined) == ["33"]
+    plain = fedavg([Update(c, t, TRAINED[(1, c)]) for c, t, f in clients.values() if not f])
+    worst = max(float(np.max(np.abs(aggregate[k].astype(np.float64) - plain[k]))) for k in plain)
+    assert worst <= record["error_bound"]["total"] + 2 * 2.0 ** -24
+
+
+def test_with_two_clients_one_drop_halts_the_round_rather_than_reveal_the_other(flower_task):
+    good, declined, secure = _round(_raw(), {11: ("alice", 40, False), 22: ("bob", 50, True)}, _global())
+    assert good == [] and secure is None and set(declined) == {"11", "22"}
+    assert all("SecAgg+ halted" in why for why in declined.values())
+
+
+def test_a_client_refuses_a_server_that_loosens_the_quantization(flower_task):
+    from lodger.config import JobConfig
+    from lodger.federated.secagg_round import secure_round
+
+    server, client = _raw(secagg_quantization_range=1024), _raw()
+    grid = FakeGrid({n: _node(n, c, 40, client) for n, c in ((11, "alice"), (22, "bob"))})
+    good, declined, secure = secure_round(grid, JobConfig.model_validate(server), "sa", 1, Committed(0, _global()),
+                                          Roster())
+    assert good == [] and secure is None and TRAINED == {}  # nothing was trained, nothing was sent
+
+
+def test_the_plan_checks_what_flower_would_refuse_and_a_sum_of_one():
+    fed = {"min_clients": 1, "clients_per_round": 1}
+    found = problems({"secure_aggregation": True, "secagg_num_shares": 2, "secagg_reconstruction_threshold": 1.5},
+                     fed)
+    text = "\n".join(found)
+    for phrase in ("min_clients >= 2", "clients_per_round >= 2", "more than 2", "at most 1.0"):
+        assert phrase in text, text
+    assert problems({"secure_aggregation": False, "secagg_num_shares": 2}, fed) == []
+
+
+def test_the_bound_is_two_levels_per_client_over_the_weights_and_exact_weights_add_nothing():
+    bound = error_bound([96, 96], 8.0, 4194304, 96.0)
+    assert bound["weights"] == 0.0 and bound["quantization"] == pytest.approx(2 * 8.0 / 4194304)
+    uneven = error_bound([91, 37], 8.0, 4194304, 96.0)  # 91/96 * 2**22 is not an integer: weights round
+    assert uneven["quantization"] == pytest.approx(2 * 2 * 8.0 / 4194304 / (128 / 96), rel=1e-6)
+    assert 0 < uneven["weights"] < uneven["quantization"]
