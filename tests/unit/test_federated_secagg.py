@@ -58,9 +58,13 @@ class FakeGrid:
 
 def _node(node_id: int, client_id: str, tokens: int, raw: dict, fail_training: bool = False):
     """One client: Flower's secaggplus_mod, lodger's train stage, and in place of the training app
-    a reply whose adapter is the global one moved by a client-specific amount (kept in TRAINED)."""
+    a reply whose adapter is the global one moved by a client-specific amount (kept in TRAINED);
+    with clip_norm, Flower's fixedclipping_mod between them (what it made is kept in SENT)."""
     from flwr.app import Context, Error, Message, RecordDict
     from flwr.client.mod import secaggplus_mod
+    from flwr.clientapp.mod import fixedclipping_mod
+
+    from lodger.federated.messages import from_record
 
     from lodger.federated.messages import read_round, reply_content
     from lodger.federated.secagg import train_stage
@@ -77,9 +81,14 @@ def _node(node_id: int, client_id: str, tokens: int, raw: dict, fail_training: b
         return Message(reply_content(client_id, trained, tokens=tokens, steps=1, loss=1.0, started_from=order.sha256),
                        reply_to=msg)
 
+    def protected(msg, ctxt):
+        out = fixedclipping_mod(msg, ctxt, app) if raw["federated"]["privacy"].get("clip_norm") else app(msg, ctxt)
+        SENT[client_id] = from_record(out.content["adapter"], "test")
+        return out
+
     def handle(msg):
         try:
-            return secaggplus_mod(msg, context, lambda m, c: train_stage(m, c, app, raw))
+            return secaggplus_mod(msg, context, lambda m, c: train_stage(m, c, protected, raw))
         except Exception as exc:  # as Flower's ClientApp runtime answers an exception
             return Message(Error(0, str(exc)), reply_to=msg)
 
@@ -87,6 +96,7 @@ def _node(node_id: int, client_id: str, tokens: int, raw: dict, fail_training: b
 
 
 TRAINED: dict = {}
+SENT: dict = {}
 
 
 @pytest.fixture
@@ -97,6 +107,7 @@ def flower_task(monkeypatch):
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
     TRAINED.clear()
+    SENT.clear()
 
 
 def _round(raw: dict, clients: dict[int, tuple[str, int, bool]], current: dict):
@@ -167,3 +178,32 @@ def test_the_bound_is_two_levels_per_client_over_the_weights_and_exact_weights_a
     uneven = error_bound([91, 37], 8.0, 4194304, 96.0)  # 91/96 * 2**22 is not an integer: weights round
     assert uneven["quantization"] == pytest.approx(2 * 2 * 8.0 / 4194304 / (128 / 96), rel=1e-6)
     assert 0 < uneven["weights"] < uneven["quantization"]
+
+
+def test_flowers_clipping_runs_inside_the_secure_round_and_central_noise_goes_on_the_unmasked_mean(
+        flower_task, lodger_home):
+    from lodger.federated.messages import Reply
+    from lodger.federated.rounds import RoundStore
+    from lodger.federated.server import commit_round
+    from lodger.ledger import Ledger
+
+    current, raw = _global(), _raw(clip_norm=0.05, noise_multiplier=1.0)
+    clients = {11: ("alice", 60, False), 22: ("bob", 30, False)}
+    good, declined, secure = _round(raw, clients, current)
+    for name, _, _ in clients.values():  # fixedclipping_mod clipped each update to 0.05 before the mask
+        update = np.sqrt(sum(float(np.sum((SENT[name][k].astype(np.float64) - current[k]) ** 2)) for k in current))
+        assert update <= 0.05 * (1 + 1e-5) and tensors_sha256(SENT[name]) != tensors_sha256(TRAINED[(1, name)])
+    plain = fedavg([Update(c, t, SENT[c]) for c, t, _ in clients.values()])
+    worst = max(float(np.max(np.abs(secure[0][k].astype(np.float64) - plain[k]))) for k in plain)
+    assert worst <= secure[1]["error_bound"]["total"] + 2 * 2.0 ** -24
+
+    store = RoundStore("sa")
+    with Ledger() as ledger:
+        committed = commit_round("sa", 1, good, declined, Committed(0, current), store, b"{}", ledger,
+                                 privacy=raw["federated"]["privacy"], seed=3, secure=secure)
+        [event] = ledger.events_of_kinds(("federated_round",))
+    assert committed.state["secure_aggregation"]["protocol"] == "flwr SecAggPlusWorkflow + secaggplus_mod"
+    assert committed.state["privacy"]["central_noise_stdv"] > 0  # Flower's central noise, on the unmasked mean
+    assert tensors_sha256(committed.tensors) != tensors_sha256(secure[0])
+    assert event["data"]["secure_aggregation"] == committed.state["secure_aggregation"]
+    assert [p["sha256"] for p in event["data"]["participants"]] == [None, None]
