@@ -83,6 +83,9 @@ def test_two_clients_two_secure_rounds_aggregate_to_the_fedavg_of_what_they_cont
             updates.append(Update(name, sent["target_tokens"], adapter))
         plain = fedavg(updates)
         secured = store.tensors_of(round_no)
+        # bitwise: the masks cancel and the rounding is seeded, so the aggregate is a function of
+        # what the clients contributed alone (what a restarted server asking the round again gets)
+        assert tensors_sha256(_unmasked_mean(updates, secure, round_no)) == event["sha256"]
         assert tensors_sha256(secured) == event["sha256"] and sorted(secured) == sorted(plain)
         worst = max(float(np.max(np.abs(secured[k].astype(np.float64) - plain[k]))) for k in plain)
         peak = max(float(np.max(np.abs(v))) for v in plain.values())
@@ -96,3 +99,27 @@ def test_two_clients_two_secure_rounds_aggregate_to_the_fedavg_of_what_they_cont
     adapter = server_home / "federated" / "fedjob" / "adapter"
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(adapter))
     assert any("lora_A" in name for name, _ in model.named_parameters())
+
+
+def _unmasked_mean(updates: list, secure: dict, round_no: int) -> dict:
+    """Flower's SecAgg+ arithmetic without the masks (they cancel exactly mod 2**32): each client's
+    weighted, seeded-rounding quantization as secaggplus_mod makes it, then the workflow's sum,
+    dequantization and division (flwr/.../secaggplus_mod.py, secaggplus_workflow.py)."""
+    from flwr.common.secure_aggregation.quantization import dequantize, quantize
+
+    from lodger.federated.privacy import seed_numpy
+
+    c, r, mod = secure["clipping_range"], secure["quantization_range"], secure["modulus_range"]
+    names, total = sorted(updates[0].tensors), None
+    for update in updates:
+        q_ratio = round(update.tokens / secure["max_weight"] * r)
+        weighted = [np.asarray(update.tensors[n], np.float64) * (q_ratio / r) for n in names]
+        seed_numpy(("lodger-secagg-rounding", 0, round_no, update.client_id), b"")  # the job's seed is 0
+        vector = [np.asarray(a, np.int64) for a in [np.array([q_ratio])] + quantize(weighted, c, r)]  # masks are int64
+        total = vector if total is None else [a + b for a, b in zip(total, vector, strict=True)]
+    total = [a & (mod - 1) for a in total]
+    mean = dequantize(total[1:], c, r)
+    for vec in mean:
+        vec += -(len(updates) - 1) * c
+        vec *= r / total[0][0]
+    return {n: v.astype(np.float32) for n, v in zip(names, mean, strict=True)}
