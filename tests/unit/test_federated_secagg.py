@@ -162,6 +162,20 @@ def test_a_client_refuses_a_server_that_loosens_the_quantization(flower_task):
     assert good == [] and secure is None and TRAINED == {}  # nothing was trained, nothing was sent
 
 
+def test_a_client_refuses_a_server_that_lowers_the_reconstruction_threshold(flower_task):
+    from lodger.config import JobConfig
+    from lodger.federated.secagg import least_threshold
+    from lodger.federated.secagg_round import secure_round
+
+    assert [least_threshold(n, 1.0, 0.5) for n in (2, 3, 5, 8)] == [2, 2, 2, 4]  # Flower's arithmetic
+    assert least_threshold(5, 1.0, 0.8) == 4 and least_threshold(9, 5, 3) == 3
+    server, client = _raw(secagg_reconstruction_threshold=0.2), _raw(secagg_reconstruction_threshold=0.8)
+    nodes = {n: _node(n, c, 40, client) for n, c in ((11, "alice"), (22, "bob"), (33, "carol"), (44, "dan"))}
+    good, declined, secure = secure_round(FakeGrid(nodes), JobConfig.model_validate(server), "sa", 1,
+                                          Committed(0, _global()), Roster())
+    assert good == [] and secure is None and TRAINED == {}
+
+
 def test_the_plan_checks_what_flower_would_refuse_and_a_sum_of_one():
     fed = {"min_clients": 1, "clients_per_round": 1}
     found = problems({"secure_aggregation": True, "secagg_num_shares": 2, "secagg_reconstruction_threshold": 1.5},

@@ -163,6 +163,7 @@ def train_stage(msg, ctxt, call_next, raw: dict):
 
     from .client import SECURED
     from .messages import from_record, to_record
+    from .privacy import seed_numpy
 
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = dict(fitins.config)
@@ -185,8 +186,6 @@ def train_stage(msg, ctxt, call_next, raw: dict):
                     tokens, {"client-id": str(reply["client-id"]), "started-from": str(reply["started-from"]),
                              "steps": int(metrics["steps"]), "train-loss": float(metrics["train-loss"])})
     out.content = compat.fitres_to_recorddict(fitres, keep_input=False)
-    from .privacy import seed_numpy
-
     # secaggplus_mod quantizes right after this returns, with np.random.rand: seeded here, so a round
     # sent again is the same masked sum (nothing between here and Flower's draw uses numpy's RNG).
     seed_numpy(("lodger-secagg-rounding", int((raw.get("training") or {}).get("seed", 0)), int(config["round"]),
@@ -206,10 +205,31 @@ def check_server_settings(ctxt, raw: dict) -> dict:
            "mod_range": sa["modulus_range"], "max_weight": sa["max_weight"]}
     state = ctxt.state.config_records.get(RECORD_KEY_STATE) or {}
     theirs = {k: state.get(k) for k in own}
-    if theirs != own or int(state.get("threshold", 0)) < 2:
+    least = least_threshold(int(state.get("sample_num", 0)), sa["num_shares"], sa["reconstruction_threshold"])
+    if theirs != own or int(state.get("threshold", 0)) < least:
         raise FederatedError(f"the server's SecAgg+ setup {theirs} (threshold {state.get('threshold')}) is not this "
-                             f"client's job's {own} (threshold at least 2); nothing is sent")
+                             f"client's job's {own} (threshold at least {least}); nothing is sent")
     return own
+
+
+def least_threshold(clients: int, num_shares: int | float, threshold: int | float) -> int:
+    """The reconstruction threshold this job's settings give a round of ``clients``: Flower's own
+    arithmetic in SecAggPlusWorkflow.setup_stage (flwr/server/workflow/secure_aggregation/
+    secaggplus_workflow.py), never below 2."""
+    if isinstance(num_shares, int) and num_shares == 1:
+        num_shares = 1.0
+    if isinstance(threshold, int) and threshold == 1:
+        threshold = 1.0
+    shares = num_shares
+    if isinstance(num_shares, float):
+        shares = round(num_shares * clients)
+        if shares < clients and shares & 1 == 0:
+            shares += 1
+        if shares <= 2:
+            shares = clients
+    if isinstance(threshold, float):
+        return max(round(threshold * shares), 2)
+    return max(threshold, 2)
 
 
 def check_quantizable(tensors: dict, names: list[str], tokens: int, own: dict) -> None:
