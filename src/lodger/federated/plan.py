@@ -93,7 +93,8 @@ class FederatedPlan:
             "rounds": fed.rounds, "local_steps": fed.local_steps, "min_clients": fed.min_clients,
             "clients_per_round": fed.clients_per_round, "round_timeout_seconds": fed.round_timeout_seconds,
             "limits": self.limits(),
-            "privacy": {**fed.privacy.model_dump(mode="json"), "mechanism": mechanism(fed.privacy.model_dump(), tokens)},
+            "privacy": {**fed.privacy.model_dump(mode="json"),
+                        "mechanism": mechanism(fed.privacy.model_dump(), max_weight=tokens)},
         }
 
 
