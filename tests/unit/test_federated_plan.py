@@ -53,7 +53,10 @@ def test_protection_is_in_the_plan_and_a_sum_of_one_or_a_missing_limit_is_refuse
 
     job = _job(tmp_path, tiny_model_dir, {"secure_aggregation": True, "clip_norm": 0.5, "noise_multiplier": 1.0,
                                           "secagg_clipping_range": 2.0})
-    mechanism = fplan.check(job, "client", server="127.0.0.1:8000", insecure=True).summary()["privacy"]["mechanism"]
+    summary = fplan.check(job, "client", server="127.0.0.1:8000", insecure=True).summary()
+    mechanism, leaves = summary["privacy"]["mechanism"], summary["leaves_each_round"]
+    values = leaves["adapter_bytes"] // 4 + 1
+    assert leaves["masked"].startswith(f"as a SecAgg+ masked vector, not in the clear: {values} int64 values")
     secure = mechanism["secure_aggregation"]
     for phrase in ("on: flwr SecAggPlusWorkflow + secaggplus_mod", "the server sees only the masked sum",
                    "4194304 levels over +-2", "within 9.54e-07 per value", "reconstruction threshold"):

@@ -40,6 +40,8 @@ def print_plan(plan) -> None:
         echo(f"  adapter tensors: unknown ({leaves['tensors_unknown_because']})")
     echo(f"  adapter: {leaves['tensor_count']} tensors, {_size(leaves['adapter_bytes'])} ({leaves['adapter_bytes']} "
          f"bytes, {leaves['dtype']}) per round")
+    if leaves.get("masked"):
+        echo(f"  adapter {leaves['masked']}")
     echo(f"  token count: {leaves['token_count']}")
     echo(f"  metrics: {', '.join(leaves['metrics'])}")
     sampled = s["clients_per_round"] or "every connected client"

@@ -74,6 +74,12 @@ class FederatedPlan:
         return {"rounds": self.job.federated.rounds, "wall_hours": self.job.remote.wall_hours,
                 "compute_hours_per_client": self.job.limits.max_compute_hours}
 
+    def masked(self) -> str:
+        """How the adapter leaves under SecAgg+ (secagg.py): one masked int64 per value, plus the weight."""
+        values = self.bytes_per_round // FLOAT32 + 1
+        return (f"as a SecAgg+ masked vector, not in the clear: {values} int64 values, about {8 * values} bytes "
+                "(plus keys and encrypted shares: a few hundred bytes per other client)")
+
     def summary(self) -> dict[str, Any]:
         """The plan as JSON-ready data (printed by --json, recorded with the approval)."""
         from .privacy import mechanism
@@ -89,6 +95,7 @@ class FederatedPlan:
                 "tensors_unknown_because": self.tensors_unknown,
                 "token_count": f"one integer: target tokens trained on (at most {tokens} per round)",
                 "metrics": list(METRICS),
+                "masked": self.masked() if fed.privacy.secure_aggregation else None,
             },
             "rounds": fed.rounds, "local_steps": fed.local_steps, "min_clients": fed.min_clients,
             "clients_per_round": fed.clients_per_round, "round_timeout_seconds": fed.round_timeout_seconds,
