@@ -1,11 +1,14 @@
 """Secure aggregation on Flower's deployment runtime: a real SuperLink and two real SuperNodes on
-127.0.0.1, `[federated.privacy] secure_aggregation = true`, two rounds of one local step.
+127.0.0.1, `[federated.privacy] secure_aggregation = true`, two rounds of one local step, the
+server side SIGKILLed once round 1 is committed and started again.
 
 Each round runs Flower's SecAggPlusWorkflow (server) and secaggplus_mod (clients) around lodger's
 round. The server never sees a client's adapter, so the check that it aggregated right is made
 here from the clients' side: each client's ledger names the adapter it put into the masked sum
 (`contributed`, its hash) and its local run holds that adapter; their plain token-weighted FedAvg
-is the server's committed round within the error bound the server recorded for it.
+is the server's committed round within the error bound the server recorded for it, and Flower's
+quantization of them without masks (which cancel exactly) is the server's round bit for bit. The
+final adapter is bitwise the same federation computed in this process without Flower.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ ROUNDS = 2
 CLIENTS = ("alice", "bob")
 
 
-def test_two_clients_two_secure_rounds_aggregate_to_the_fedavg_of_what_they_contributed(tiny_model_dir, tmp_path):
+def test_two_secure_rounds_survive_a_server_kill_and_aggregate_to_the_fedavg_of_what_was_contributed(
+        tiny_model_dir, tmp_path, monkeypatch):
     from lodger.federated.aggregate import Update, fedavg, tensors_sha256
     from lodger.federated.rounds import RoundStore, safetensors_tensors
 
@@ -43,6 +47,12 @@ def test_two_clients_two_secure_rounds_aggregate_to_the_fedavg_of_what_they_cont
             started.append(processes.start_supernode(
                 home, superlink, {"lodger-home": str(home), "client-id": name, "dataset": f"{name}-notes",
                                   "job": str(job)}))
+        _submit(tmp_path, superlink, job)
+        wait_until(lambda: 1 in _committed_rounds(server_home), 600, server.process,
+                   what="round 1 committed on the server", interval=0.1)
+        server.kill()  # the server side's power cut: SuperLink and its ServerApp at once
+        server = _start_server(tmp_path, port)
+        started.append(server)
         flower_run = _submit(tmp_path, superlink, job)
         wait_until(lambda: _events(server_home, "federated_finished"), 900, server.process,
                    what="the secure federated run finished", interval=0.5)
@@ -53,8 +63,9 @@ def test_two_clients_two_secure_rounds_aggregate_to_the_fedavg_of_what_they_cont
         for process in reversed(started):
             process.stop()
     assert _committed_rounds(server_home) == list(range(1, ROUNDS + 1))
-    [begun] = _events(server_home, "federated_server_started")
-    assert begun["data"]["protection"]["secure_aggregation"].startswith("on: flwr SecAggPlusWorkflow")
+    begun = [e["data"] for e in _events(server_home, "federated_server_started")]
+    assert [b["resumed_after_round"] for b in begun] == [0, 1]  # continued after its last committed round
+    assert begun[0]["protection"]["secure_aggregation"].startswith("on: flwr SecAggPlusWorkflow")
 
     store = RoundStore("fedjob", root=server_home)
     rounds = {e["data"]["round"]: e["data"] for e in _events(server_home, "federated_round")}
@@ -71,7 +82,7 @@ def test_two_clients_two_secure_rounds_aggregate_to_the_fedavg_of_what_they_cont
         # what each client put into the masked sum: its ledger's hash, its local run's adapter
         updates = []
         for name, home in homes.items():
-            [sent] = [e["data"] for e in _events(home, "federated_client_round") if e["data"]["round"] == round_no]
+            sent = [e["data"] for e in _events(home, "federated_client_round") if e["data"]["round"] == round_no][-1]
             record = home / "federated" / "fedjob" / "client" / f"round-{round_no:06d}.json"
             run_id = json.loads(record.read_text())["run_id"]
             adapter = safetensors_tensors((home / "runs" / run_id / "adapter" / "adapter_model.safetensors")
@@ -99,6 +110,33 @@ def test_two_clients_two_secure_rounds_aggregate_to_the_fedavg_of_what_they_cont
     adapter = server_home / "federated" / "fedjob" / "adapter"
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)), str(adapter))
     assert any("lora_A" in name for name, _ in model.named_parameters())
+
+    # bitwise the uninterrupted federation, computed here without Flower (same clients, seeds, data)
+    reference = _reference(job, homes, monkeypatch, rounds[1]["secure_aggregation"])
+    final = store.tensors_of(ROUNDS)
+    assert sorted(reference) == sorted(final)
+    assert all(reference[k].tobytes() == final[k].tobytes() for k in final), "final adapter differs from reference"
+
+
+def _reference(job: Path, homes: dict, monkeypatch, secure: dict) -> dict:
+    """Each round each client's train_round on its own home (job id `refjob`), then SecAgg+'s
+    arithmetic without masks; round 1 starts from the job's seeded adapter, as the server sends it."""
+    from lodger.federated.aggregate import Update, tensors_bytes, tensors_sha256
+    from lodger.federated.client import train_round
+    from lodger.federated.messages import RoundOrder
+    from lodger.federated.privacy import initial_adapter
+    from lodger.federated.server import load_federated_job
+
+    tensors = initial_adapter(load_federated_job(job), job)
+    for round_no in range(1, ROUNDS + 1):
+        updates = []
+        for name, home in homes.items():
+            monkeypatch.setenv("LODGER_HOME", str(home))
+            order = RoundOrder(round_no, "refjob", 1, tensors, tensors_sha256(tensors), tensors_bytes(tensors))
+            sent, facts = train_round(job, name, f"{name}-notes", order)
+            updates.append(Update(name, facts["tokens"], sent))
+        tensors = _unmasked_mean(updates, secure, round_no)
+    return tensors
 
 
 def _unmasked_mean(updates: list, secure: dict, round_no: int) -> dict:

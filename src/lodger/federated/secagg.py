@@ -126,7 +126,7 @@ def secure_mod(msg, ctxt, call_next):
     from flwr.client.mod import secaggplus_mod
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
-    from .client import SEALED, client_job, record_round
+    from .client import SEALED, SECURED, client_job, record_round
 
     found = client_job(ctxt)
     if found is None:
@@ -141,13 +141,11 @@ def secure_mod(msg, ctxt, call_next):
             "server and this client run different job files; nothing is sent")
     if not secured:
         return call_next(msg, ctxt)
-    from .client import SECURED
-
     try:
         out = secaggplus_mod(msg, ctxt, lambda m, c: train_stage(m, c, call_next, raw))
     finally:
         SECURED.discard(msg.metadata.message_id)
-    sealed = SEALED.pop(msg.metadata.message_id, None)
+        sealed = SEALED.pop(msg.metadata.message_id, None)
     if sealed is not None and not out.has_error():
         masked = list(out.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS])
         record_round(sealed[0], sealed[1], masked=masked_digest(masked))
