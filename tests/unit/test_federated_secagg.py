@@ -221,3 +221,18 @@ def test_flowers_clipping_runs_inside_the_secure_round_and_central_noise_goes_on
     assert tensors_sha256(committed.tensors) != tensors_sha256(secure[0])
     assert event["data"]["secure_aggregation"] == committed.state["secure_aggregation"]
     assert [p["sha256"] for p in event["data"]["participants"]] == [None, None]
+
+
+def test_the_secagg_keys_keep_flowers_int_or_fraction_meaning_and_refuse_a_range_past_the_modulus():
+    from pydantic import ValidationError
+
+    from lodger.config import JobConfig
+    from lodger.federated.secagg import settings
+
+    job = JobConfig.model_validate(_raw(secagg_num_shares=3, secagg_reconstruction_threshold=2))
+    sa = settings(job)
+    assert isinstance(sa["num_shares"], int) and isinstance(sa["reconstruction_threshold"], int)
+    assert isinstance(settings(JobConfig.model_validate(_raw()))["num_shares"], float)
+    assert sa["max_weight"] == 1 * 2 * 1 * 48 and sa["modulus_range"] == 2**32
+    with pytest.raises(ValidationError, match="secagg_quantization_range"):
+        JobConfig.model_validate(_raw(secagg_quantization_range=2**31))
