@@ -120,7 +120,8 @@ class TrainingConfig(Section):
     `length_grouped` draws examples of similar length together (random megabatches of 50 steps'
     examples sorted by length, as the Hugging Face Trainer's `group_by_length`): far less padding
     and shorter attention rows, so faster on uneven data, but each step's examples are no longer a
-    uniform sample. Either is a pure function of seed, epoch and position (exact resume)."""
+    uniform sample. Either is a pure function of seed, epoch and position (exact resume). Grouped,
+    `packing = "auto"` keeps padded rows unless they would still be 30 % padding (docs/packing.md)."""
     pack_tokens: Int | None = Field(None, ge=1)
     """Token budget of one packed row; left out, batch_size x max_length (one row per
     micro-batch, no padding). At least max_length; smaller rows mean several rows per

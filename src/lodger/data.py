@@ -201,6 +201,8 @@ class Sampler:
     resumed run jumps straight to its place: nothing is replayed.
     """
 
+    grouped = False  # examples of similar length drawn together (LengthGroupedSampler)
+
     def __init__(self, indices: list[int], seed: int):
         self.indices, self.seed = list(indices), seed
         self._epoch, self._order = -1, None
@@ -239,6 +241,8 @@ class LengthGroupedSampler(Sampler):
     examples; the order of each epoch is computed from (seed, epoch) alone (O(n log n), once per
     epoch), so resuming jumps to its position without replaying anything.
     """
+
+    grouped = True
 
     def __init__(self, indices: list[int], seed: int, lengths, group: int, mega: int | None = None):
         super().__init__(indices, seed)

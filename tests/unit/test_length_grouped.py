@@ -133,3 +133,18 @@ def test_the_order_key_defaults_to_shuffle_and_a_bad_value_names_key_value_and_c
     assert "[training] order" in message and "length-grouped" in message and "'length_grouped'" in message, message
     job.write_text('[data]\ntrain = "train.jsonl"\n[training]\nsteps = 3\norder = "length_grouped"\n')
     assert load_job(job).training.order == "length_grouped"
+
+
+def test_auto_trains_grouped_steps_in_padded_rows_unless_even_grouped_they_are_mostly_padding() -> None:
+    from lodger.packing import PACK_ABOVE_GROUPED
+
+    training = SimpleNamespace(batch_size=4, grad_accum=2, world_size=1, pack_tokens=None)
+    planner = make_planner(training, 512, grouped(group=8), LENGTHS, "auto")
+    shuffled = make_planner(training, 512, Sampler(INDICES, 3), LENGTHS, "auto")
+    assert shuffled.packed and not planner.packed and planner.unpacked_padding < PACK_ABOVE_GROUPED
+    assert make_planner(training, 512, grouped(group=8), LENGTHS, True).packed  # true packs whatever the order
+    # megabatches of one micro-batch (too few examples to group): grouping cannot help, and auto packs
+    spread = [8, 500] * 6
+    few = LengthGroupedSampler(list(range(12)), 0, spread, 4)
+    one = SimpleNamespace(batch_size=4, grad_accum=1, world_size=1, pack_tokens=None)
+    assert few.mega == 1 and make_planner(one, 512, few, spread, "auto").packed
