@@ -133,7 +133,8 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
         click.echo(json.dumps(out, indent=1))
     else:
         _print(job, cfg, est, model_config, rate, prepared.total_steps, available, limit, fits, budget, measured)
-        click.echo(f"batches: {'packed' if packs(prepared) else 'padded'} ({cfg.training.order} order), {width:.0f} positions per example "
+        click.echo(f"batches: {'packed' if packs(prepared) else 'padded'} ({cfg.training.order} order), "
+                   f"{width:.0f} positions per example "
                    f"slot on average, {padding:.0%} of them padding")
     if not fits:
         raise click.exceptions.Exit(3)
