@@ -9,14 +9,18 @@ byte-level tokenizer; built once in the bench home) so a run takes minutes on 2 
 
 - ``lodger run`` with ``packing = true`` (each micro-batch of ``batch_size`` examples flattened
   into one row, no padding) and with ``packing = false`` (right-padded batches of ``batch_size``);
+- ``lodger run`` with ``order = "length_grouped"`` (each step's examples of similar length) in
+  three layouts: padded rows, one flattened row, and rows of at most max_length tokens
+  (``pack_tokens = max_length``);
 - the Trainer with its defaults (random sampler, batches of ``batch_size`` padded to their
   longest, by ``lodger.data.collate``);
 - the Trainer with ``DataCollatorWithFlattening`` (its padding-free collator: each batch one row
   with restarting position ids), batches of ``batch_size`` examples as lodger's;
 - the Trainer with ``train_sampling_strategy="group_by_length"`` (batches of similar lengths).
 
-Every side uses the same model folder, LoRA, learning rate schedule, threads and tokenised
-examples (``lodger.data.tokenize``), and trains every example once, so every side counts the same
+Every side uses the same model folder, LoRA, learning rate schedule, threads, CPU priority
+(``[limits] nice = 0``: lodger's default nice 10 would hand a loaded machine's cores to the
+Trainer sides) and tokenised examples (``lodger.data.tokenize``), and trains every example once, so every side counts the same
 target tokens (the labelled positions: printed per side). Target tokens per second are the
 epoch's target tokens over the training steps' time: from the start of step 1 (lodger: its end
 stamp in metrics.jsonl minus its duration; the Trainer: a step-begin callback) to the end of the
@@ -25,6 +29,12 @@ start to exit) is printed too.
 
     python bench/packed_compare.py            # 256 chats up to 512 tokens
     python bench/packed_compare.py --quick    # 64 chats: a few minutes
+    python bench/packed_compare.py --repeat 2 # every side twice, round robin; the faster run counts
+
+The ratio lines compare ``lodger packed`` (shuffled order, packed) and the fastest lodger side
+with the Trainer's defaults and with the faster of its padding-free options; the eval-loss lines
+compare them with ``lodger unpacked`` (shuffled, padded) after the same target tokens: in the
+same order that is the same steps, length-grouped it is other steps from the same examples.
 """
 
 from __future__ import annotations
@@ -110,6 +120,8 @@ order = "{order}"
 {f"pack_tokens = {pack_tokens}" if pack_tokens and packing else ""}
 [checkpoints]
 keep_last = 2
+[limits]
+nice = 0
 """)
     return path
 
