@@ -269,9 +269,6 @@ class LengthGroupedSampler(Sampler):
         return np.concatenate(out) if out else shuffled
 
 
-ORDERS = ("shuffle", "length_grouped")
-
-
 def make_sampler(training, indices: list[int], lengths) -> Sampler:
     """The sampler a job draws its examples with, from ``[training] order``: ``Sampler`` (shuffled)
     or ``LengthGroupedSampler`` in groups of one optimizer step's examples (batch_size x grad_accum
