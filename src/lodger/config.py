@@ -112,8 +112,8 @@ class TrainingConfig(Section):
     (by default one row holding the whole micro-batch, no padding at all), with position ids
     restarting per example and attention that never crosses examples. A step holds the same
     examples as unpacked (same step count, same loss per target token); only the padding goes.
-    `auto` packs when the unpacked micro-batches would be at least 10 % padding (known from the
-    example lengths before training) and the model's attention keeps packed examples apart
+    `auto` packs when the unpacked micro-batches would be at least 10 % padding (30 % in
+    length-grouped `order`; known from the example lengths before training) and the model's attention keeps packed examples apart
     (probed at start); both are recorded in the provenance. `true` always packs; `false` never."""
     order: Literal["shuffle", "length_grouped"] = "shuffle"
     """Which examples share a step: `shuffle` draws them in a seeded random order;
