@@ -128,6 +128,9 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5) -> Comparison:
         packing_a, packing_b = pa[0]["data"].get("packing"), pb[0]["data"].get("packing")
         if packing_a != packing_b:  # "auto" may resolve differently on two machines
             c.data_differences.append(f"batching {packing_a} vs {packing_b}")
+        order_a, order_b = (p[0]["data"].get("order", "shuffle") for p in (pa, pb))  # older runs: shuffle
+        if order_a != order_b:
+            c.data_differences.append(f"example order {order_a} vs {order_b}")
         if pa[0]["model"]["sha256"] != pb[0]["model"]["sha256"]:
             c.data_differences.append("model source sha256 differs")
         if pa[0]["model"]["tokenizer_sha256"] != pb[0]["model"]["tokenizer_sha256"]:

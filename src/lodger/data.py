@@ -201,6 +201,8 @@ class Sampler:
     resumed run jumps straight to its place: nothing is replayed.
     """
 
+    grouped = False  # examples of similar length drawn together (LengthGroupedSampler)
+
     def __init__(self, indices: list[int], seed: int):
         self.indices, self.seed = list(indices), seed
         self._epoch, self._order = -1, None
@@ -208,17 +210,73 @@ class Sampler:
     def __len__(self) -> int:
         return len(self.indices)
 
-    def at(self, position: int) -> int:
+    def epoch_order(self, epoch: int):
+        """Places in ``indices`` in the order epoch ``epoch`` draws them: a seeded permutation."""
         import numpy as np
 
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.indices))
+
+    def at(self, position: int) -> int:
         epoch, place = divmod(position, len(self.indices))
         if epoch != self._epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.indices))
+            self._order = self.epoch_order(epoch)
             self._epoch = epoch
         return self.indices[int(self._order[place])]
 
     def epoch_of(self, position: int) -> float:
         return position / len(self.indices)
+
+
+class LengthGroupedSampler(Sampler):
+    """The shuffled order with examples of similar length drawn together, still a pure function of
+    (seed, epoch, position) (the recipe of transformers' ``get_length_grouped_indices``):
+
+    each epoch's permutation (``Sampler``'s, the same for the same seed) is cut into megabatches of
+    ``mega`` groups of ``group`` examples (default: 50 groups, or fewer so an epoch holds at least
+    4 megabatches), each megabatch sorted longest first (ties in shuffled order) and cut into groups,
+    and a megabatch's complete groups are put in a seeded random order (so that length does not fall
+    steadily inside a megabatch; transformers keeps them longest first). With ``group`` the
+    examples of one optimizer step, every step's examples have similar lengths, steps begin at
+    group boundaries, and only an epoch's last step can be short. An epoch is a permutation of the
+    examples; the order of each epoch is computed from (seed, epoch) alone (O(n log n), once per
+    epoch), so resuming jumps to its position without replaying anything.
+    """
+
+    grouped = True
+
+    def __init__(self, indices: list[int], seed: int, lengths, group: int, mega: int | None = None):
+        super().__init__(indices, seed)
+        if group < 1:
+            raise ValueError(f"group ({group}) must be at least 1")
+        self.lengths = [int(lengths[i]) for i in self.indices]  # by place, as epoch_order works
+        self.group = group
+        self.mega = mega or max(1, min(len(self.indices) // (group * 4), 50))
+
+    def epoch_order(self, epoch: int):
+        import numpy as np
+
+        shuffled = super().epoch_order(epoch)
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        rng = np.random.default_rng([self.seed, epoch, 0x6E0])
+        size = self.mega * self.group
+        out = []
+        for start in range(0, len(shuffled), size):
+            mega = shuffled[start:start + size]
+            mega = mega[np.argsort(-lengths[mega], kind="stable")]
+            groups = [mega[k:k + self.group] for k in range(0, len(mega), self.group)]
+            full = [g for g in groups if len(g) == self.group]
+            out += [full[k] for k in rng.permutation(len(full))] + groups[len(full):]
+        return np.concatenate(out) if out else shuffled
+
+
+def make_sampler(training, indices: list[int], lengths) -> Sampler:
+    """The sampler a job draws its examples with, from ``[training] order``: ``Sampler`` (shuffled)
+    or ``LengthGroupedSampler`` in groups of one optimizer step's examples (batch_size x grad_accum
+    x world_size). ``lengths`` are token counts by dataset index (``packing.example_lengths``)."""
+    if training.order == "length_grouped":
+        group = training.batch_size * training.grad_accum * training.world_size
+        return LengthGroupedSampler(indices, training.seed, lengths, group)
+    return Sampler(indices, training.seed)
 
 
 def collate(dataset: TokenizedSet, indices: list[int], pad_id: int):

@@ -27,6 +27,9 @@ The contract (what resume and data parallelism rely on):
 - ``packing = "auto"`` packs when the unpacked micro-batches would compute a padding share of at
   least ``PACK_ABOVE`` (``padding_share``: from the example lengths and the sampler, before
   training): below it, the longer rows' extra attention work costs about what the padding saved.
+  In length-grouped order (``data.LengthGroupedSampler``) the bar is ``PACK_ABOVE_GROUPED``: a
+  step's examples are of similar length, so padded rows hold little padding and one flattened row
+  of them multiplies the attention work.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ if TYPE_CHECKING:
 Row = tuple[int, ...]    # dataset indices
 Pack = tuple[Row, ...]   # one micro-batch
 PACK_ABOVE = 0.10        # "auto" packs when unpacked micro-batches would be at least this share padding
+# ... and in length-grouped order (docs/packing.md, measured): there, one flattened row of similar
+# lengths pays about batch_size times the attention work of the padded rows, for little padding saved
+PACK_ABOVE_GROUPED = 0.30
 
 
 @dataclass(frozen=True)
@@ -296,13 +302,15 @@ def make_planner(training, max_length: int, sampler: "Sampler", lengths: Sequenc
                  packing: "bool | str") -> PaddedPlanner:
     """The step planner a job trains with: ``Packer`` (each micro-batch in rows of ``pack_tokens``,
     by default one row of ``batch_size x max_length``) or ``PaddedPlanner`` (one example a row).
-    ``packing = "auto"`` packs when the unpacked micro-batches' padding share is at least
-    ``PACK_ABOVE``; the share is kept on the planner (``unpacked_padding``) for the provenance."""
+    ``packing = "auto"`` packs when the unpacked micro-batches' padding share (in the sampler's
+    order) is at least ``PACK_ABOVE`` (``PACK_ABOVE_GROUPED`` in length-grouped order); the share is
+    kept on the planner (``unpacked_padding``) for the provenance."""
     padded = PaddedPlanner(sampler, micro=training.batch_size, accum=training.grad_accum,
                            world=training.world_size)
     share = padding_share(padded, lengths) if lengths else None
     padded.unpacked_padding = share
-    if packing is False or (packing == "auto" and share is not None and share < PACK_ABOVE):
+    above = PACK_ABOVE_GROUPED if getattr(sampler, "grouped", False) else PACK_ABOVE
+    if packing is False or (packing == "auto" and share is not None and share < above):
         return padded
     row_tokens = training.pack_tokens or training.batch_size * max_length
     if row_tokens < max_length:

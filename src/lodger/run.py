@@ -20,7 +20,7 @@ from .config import JobConfig, job_hash
 from .tomlfile import to_toml
 from .jobfile import load_job
 from .control import Control, clear_request
-from .data import Sampler, read_jsonl, split_indices, tokenize
+from .data import make_sampler, read_jsonl, split_indices, tokenize
 from .distributed import Ranks
 from .errors import LimitReached, PreflightError, RunStateError
 from .home import run_dir
@@ -64,9 +64,9 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     # Packed or not is settled here, from the data ("auto": by the unpacked padding share); packed
     # or not, the steps hold the same examples, so the step count is the same. The attention probe
     # at start only picks how packed examples are kept apart (train/state.py).
-    sampler = Sampler(train_indices, job.training.seed)
-    planner = make_planner(job.training, job.data.max_length, sampler, example_lengths(train_set),
-                           job.training.packing)
+    lengths = example_lengths(train_set)
+    sampler = make_sampler(job.training, train_indices, lengths)  # [training] order
+    planner = make_planner(job.training, job.data.max_length, sampler, lengths, job.training.packing)
     steps = job.training.steps or planner.steps_for(job.training.epochs * len(train_indices))
     return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
                     train_indices, eval_indices, steps, device or pick_device(job), planner)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (TOTAL_STEPS, checkpoint_dirs, describe, eval_losses, event_kinds, final_adapter_bytes,
+from helpers import (STANDARD_JOB, TOTAL_STEPS, checkpoint_dirs, describe, eval_losses, event_kinds, final_adapter_bytes,
                      flip_byte, killed_by_sigkill, lodger_env, read_metrics, run_dir_of, run_lodger, show,
                      stale_entries, start_lodger, train_losses, train_records, wait_for_step, wait_until,
                      write_job)
@@ -250,3 +250,35 @@ def test_resume_tolerates_torn_last_line_in_metrics(killed_run, baseline):
         fh.write(b'{"kind": "train", "step": 13, "lo')  # a record cut short by the power cut
     resume(run_id)
     assert_same_as_baseline(folder, baseline)
+
+
+# -- (7) length-grouped order ([training] order = "length_grouped"), packed ------------------
+
+def test_sigkilled_length_grouped_packed_run_resumes_bitwise_equal(tiny_model_dir, e2e_data, tmp_path):
+    """The standard job in length-grouped order, packed (3 epochs of 64 chats, megabatches of 2
+    steps): killed at a step and resumed, it trains the uninterrupted grouped run's steps, bit for
+    bit, across epoch boundaries."""
+    job = write_job(tmp_path / "grouped.toml", model=tiny_model_dir, train=e2e_data["train"],
+                    eval=e2e_data["eval"], **STANDARD_JOB,
+                    extra={"training": {"order": "length_grouped", "packing": True}})
+    whole = run_lodger(["run", job, "--quiet"], lodger_env(tmp_path / "whole_home"))
+    assert whole.returncode == 0, describe(whole)
+    reference = run_dir_of(whole.stdout.splitlines()[0].split()[1], lodger_env(tmp_path / "whole_home"))
+    proc = start_lodger(["run", job], log_dir=tmp_path)
+    try:
+        run_id = proc.run_id()
+        folder = run_dir_of(run_id)
+        wait_for_step(folder, 10, proc)
+        proc.kill(signal.SIGKILL)
+        assert killed_by_sigkill(proc.wait()), describe(proc)
+    finally:
+        proc.close()
+    resume(run_id)
+    assert train_records(folder) == train_records(reference)
+    assert [s for s, _ in train_losses(folder)] == list(range(1, TOTAL_STEPS + 1))
+    assert eval_losses(folder) == eval_losses(reference)
+    assert final_adapter_bytes(folder) == final_adapter_bytes(reference)
+    segments = json.loads((folder / "provenance.json").read_text())["segments"]
+    assert len(segments) == 2 and all(s["data"]["order"] == "length_grouped" for s in segments), segments
+    assert all(s["data"]["packing"]["mode"] == "position_ids" for s in segments), segments
+    assert all(r["padded"] == 0 for r in read_metrics(folder) if r["kind"] == "train")

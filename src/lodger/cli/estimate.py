@@ -48,23 +48,27 @@ def packs(prepared) -> bool:
 
 def batch_shapes(cfg, prepared, micro_batches: int = 512) -> tuple[int, float, float]:
     """(peak row width, mean row width, padding share of the computed positions) of the job's
-    micro-batches, from the first ``micro_batches`` of its real order: padded to each batch's
-    longest example, or packed as the run lays them out (``packing.pack_list``, the planner's row
-    budget). Widths are per example slot (a micro-batch's positions over batch_size), the shape
-    the estimate counts in: a packed micro-batch of one row computes what batch_size rows would."""
-    from ..data import Sampler
-    from ..packing import example_lengths, pack_list
+    micro-batches, from the first ``micro_batches`` of its real plan (``prepared.planner``: its
+    order, shuffled or length-grouped, and its layout, padded to each micro-batch's longest example
+    or packed into rows as the run lays them out). Widths are per example slot (a micro-batch's
+    positions over batch_size), the shape the estimate counts in: a packed micro-batch of one row
+    computes what batch_size rows would."""
+    from ..packing import example_lengths
 
     lengths = example_lengths(prepared.train_set)
-    sampler = Sampler(prepared.train_indices, cfg.training.seed)
-    batch = cfg.training.batch_size
-    order = [sampler.at(k) for k in range(micro_batches * batch)]
+    planner, batch = prepared.planner, cfg.training.batch_size
+    batches: list[list[int]] = []
+    position = 0
+    while len(batches) < micro_batches:
+        plan = planner.plan(position)
+        batches += [[sum(lengths[i] for i in row) for row in pack] for pack in plan.packs]
+        position = plan.end
+        if position >= len(planner.sampler):  # the first epoch is enough
+            break
+    batches = batches[:micro_batches]
     if packs(prepared):
-        batches = [[sum(lengths[i] for i in row) for row in pack]
-                   for pack in pack_list(order, lengths, batch, prepared.planner.row_tokens)]
         peak = cfg.data.max_length  # at most batch_size x max_length positions a micro-batch
     else:
-        batches = [[lengths[i] for i in order[k:k + batch]] for k in range(0, len(order), batch)]
         peak = min(cfg.data.max_length, _longest_example(prepared.train_set))
     computed = sum(len(b) * max(b) for b in batches)
     widths = computed / batch / len(batches)
@@ -129,7 +133,8 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
         click.echo(json.dumps(out, indent=1))
     else:
         _print(job, cfg, est, model_config, rate, prepared.total_steps, available, limit, fits, budget, measured)
-        click.echo(f"batches: {'packed' if packs(prepared) else 'padded'}, {width:.0f} positions per example "
+        click.echo(f"batches: {'packed' if packs(prepared) else 'padded'} ({cfg.training.order} order), "
+                   f"{width:.0f} positions per example "
                    f"slot on average, {padding:.0%} of them padding")
     if not fits:
         raise click.exceptions.Exit(3)

@@ -213,6 +213,7 @@ class Session:
                            "pack_tokens": getattr(self.planner, "row_tokens", None) if self.planner.packed else None,
                            "unpacked_padding": None if self.planner.unpacked_padding is None
                            else round(self.planner.unpacked_padding, 4)}
+        data["order"] = self.job.training.order  # which examples share a step (compare.py checks it)
         for use in self.job.data_uses():  # registered dataset (name, license, owner) or not
             if use.role in data:
                 data[use.role].update(use.provenance())
