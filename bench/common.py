@@ -75,9 +75,10 @@ def train_data() -> Path:
 
 
 def write_job(folder: Path, steps: int, *, every_steps: int | None = 50, name: str = "bench",
-              packing: bool = False) -> Path:
+              packing: bool = False, nice: int | None = None) -> Path:
     """The benchmark job: SmolLM2, LoRA r=8 on q/v, batch 4 x 128, 2 threads, no eval. Unpacked
-    unless asked: the Trainer sides are fed lodger's padded batches, step for step."""
+    unless asked: the Trainer sides are fed lodger's padded batches, step for step. ``nice``: the
+    job's ``[limits] nice`` (None: lodger's default, 10, kind to the owner's other work)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.toml"
     ckpt = f"every_steps = {every_steps}" if every_steps else "# every_steps = (off)"
@@ -106,6 +107,7 @@ packing = {"true" if packing else "false"}
 [checkpoints]
 {ckpt}
 keep_last = 3
+{"" if nice is None else f"[limits]{chr(10)}nice = {nice}"}
 """)
     return path
 
@@ -260,11 +262,13 @@ def side_by_side_args(doc: str, child_flag: str):
 
 
 def prepared_job(steps: int, every: int, name: str) -> tuple[Path, dict]:
-    """The benchmark job in a fresh folder under the bench home, its caches warmed (untimed)."""
+    """The benchmark job in a fresh folder under the bench home, its caches warmed (untimed). At
+    nice 0, the priority of the side it is compared with: lodger's default nice 10 hands the cores
+    to the other side whenever anything else runs, which measures the policy, not the speed."""
     import tempfile
 
     jobs = Path(tempfile.mkdtemp(prefix="jobs-", dir=bench_home()))
-    job = write_job(jobs, steps, every_steps=every, name=name)
+    job = write_job(jobs, steps, every_steps=every, name=name, nice=0)
     return job, warm_caches(job)
 
 
