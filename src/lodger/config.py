@@ -112,16 +112,16 @@ class TrainingConfig(Section):
     (by default one row holding the whole micro-batch, no padding at all), with position ids
     restarting per example and attention that never crosses examples. A step holds the same
     examples as unpacked (same step count, same loss per target token); only the padding goes.
-    `auto` packs when the unpacked micro-batches would be at least 10 % padding (30 % in
-    length-grouped `order`; known from the example lengths before training) and the model's attention keeps packed examples apart
-    (probed at start); both are recorded in the provenance. `true` always packs; `false` never."""
+    `auto` packs when the unpacked micro-batches would hold padding (1 % on the CPU, where packed
+    attention runs per example; 10 % on a GPU; known from the example lengths before training) and the model
+    keeps packed examples apart (probed at start); both go in the provenance. `true` always packs; `false` never."""
     order: Literal["shuffle", "length_grouped"] = "shuffle"
     """Which examples share a step: `shuffle` draws them in a seeded random order;
     `length_grouped` draws examples of similar length together (random megabatches of 50 steps'
     examples sorted by length, as the Hugging Face Trainer's `group_by_length`): far less padding
     and shorter attention rows, so faster on uneven data, but each step's examples are no longer a
-    uniform sample. Either is a pure function of seed, epoch and position (exact resume). Grouped,
-    `packing = "auto"` keeps padded rows unless they would still be 30 % padding (docs/packing.md)."""
+    uniform sample. Either is a pure function of seed, epoch and position (exact resume); `packing`
+    applies to either (docs/packing.md)."""
     pack_tokens: Int | None = Field(None, ge=1)
     """Token budget of one packed row; left out, batch_size x max_length (one row per
     micro-batch, no padding). At least max_length; smaller rows mean several rows per

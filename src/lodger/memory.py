@@ -434,7 +434,10 @@ def _measure_child() -> None:
     attention[-1, seq - max(1, seq // 4):] = 0  # real batches are padded: SDPA then keeps a mask
     batch = {"input_ids": ids, "attention_mask": attention,
              "labels": torch.where(attention.bool(), ids, torch.tensor(-100))}
-    if spec.get("packed"):  # two examples per row, positions restarting: the mask comes from them
+    if spec.get("packed"):  # two examples per row, positions restarting, attention per example as a run has it
+        from .train.attention import set_attention
+
+        set_attention(model)
         half = max(1, seq // 2)
         positions = (torch.arange(seq) % half).expand(batch_size, seq).clone()
         batch = {"input_ids": ids, "position_ids": positions,

@@ -24,12 +24,13 @@ The contract (what resume and data parallelism rely on):
   ``attention_mask`` left out, transformers (sdpa and eager, confirmed by tests/unit/
   test_packing.py) derives a block-diagonal causal mask from the restarting position ids;
   ``attention_mode`` probes a model for it and ``block_causal_mask`` is the explicit fallback.
+- On the CPU the attention of a packed row runs per example (train/attention.py), so a packed
+  micro-batch computes the padded one's work less its padding, with the mask-free causal kernel.
 - ``packing = "auto"`` packs when the unpacked micro-batches would compute a padding share of at
-  least ``PACK_ABOVE`` (``padding_share``: from the example lengths and the sampler, before
-  training): below it, the longer rows' extra attention work costs about what the padding saved.
-  In length-grouped order (``data.LengthGroupedSampler``) the bar is ``PACK_ABOVE_GROUPED``: a
-  step's examples are of similar length, so padded rows hold little padding and one flattened row
-  of them multiplies the attention work.
+  least ``pack_above(device)`` (``padding_share``: from the example lengths and the sampler, before
+  training): on the CPU, any padding worth the name (``PACK_ABOVE_CPU``); elsewhere ``PACK_ABOVE``,
+  since there the row's attention is one masked square (a GPU without varlen kernels) and the
+  longer rows' extra attention work costs about what the padding saved below it.
 """
 
 from __future__ import annotations
@@ -48,9 +49,12 @@ if TYPE_CHECKING:
 Row = tuple[int, ...]    # dataset indices
 Pack = tuple[Row, ...]   # one micro-batch
 PACK_ABOVE = 0.10        # "auto" packs when unpacked micro-batches would be at least this share padding
-# ... and in length-grouped order (docs/packing.md, measured): there, one flattened row of similar
-# lengths pays about batch_size times the attention work of the padded rows, for little padding saved
-PACK_ABOVE_GROUPED = 0.30
+PACK_ABOVE_CPU = 0.01    # ... on the CPU, where packed attention runs per example: packing never adds work
+
+
+def pack_above(device: str) -> float:
+    """The padding share above which ``packing = "auto"`` packs on ``device`` (module docstring)."""
+    return PACK_ABOVE_CPU if device == "cpu" else PACK_ABOVE
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,8 @@ class PaddedPlanner:
         tensors = collate(dataset, [row[0] for row in pack], pad_id)
         mask = tensors["attention_mask"]
         labels = tensors["labels"]
-        return PackedBatch(tensors, int((labels[:, 1:] != -100).sum()), int(mask.sum()), mask.numel())
+        tokens = int(mask.sum())
+        return PackedBatch(tensors, int((labels[:, 1:] != -100).sum()), tokens, mask.numel(), tokens * mask.shape[1])
 
 
 class Packer(PaddedPlanner):
@@ -176,6 +181,7 @@ class Packer(PaddedPlanner):
 
     packed = True
     explicit_mask = False  # set when the model's attention needs block_causal_mask (attention_mode)
+    segments = False       # set when attention runs per example (train/attention.py): for MFU's count
 
     def __init__(self, sampler: "Sampler", lengths: Sequence[int], *, micro: int, accum: int, world: int,
                  row_tokens: int):
@@ -189,7 +195,7 @@ class Packer(PaddedPlanner):
 
     def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
         """One micro-batch of the plan, ready for the model (no attention mask, position ids)."""
-        return collate_packed(dataset, pack, pad_id, explicit_mask=self.explicit_mask)
+        return collate_packed(dataset, pack, pad_id, explicit_mask=self.explicit_mask, segments=self.segments)
 
 
 def padding_share(planner: PaddedPlanner, lengths: Sequence[int], limit: int = 4096) -> float:
@@ -217,10 +223,12 @@ class PackedBatch:
     target_tokens: int  # positions with a label: the loss is summed over these
     tokens: int         # real tokens (sum of example lengths)
     positions: int      # computed positions (rows x width): 1 - tokens/positions is padding
+    attended: int = 0   # over real tokens, the keys each one's attention kernel computes (its row's
+                        # width; its example's length when attention runs per example): MFU's count
 
 
 def collate_packed(dataset: "TokenizedSet", pack: Sequence[Sequence[int]], pad_id: int, *,
-                   explicit_mask: bool = False, mask_dtype=None) -> PackedBatch:
+                   explicit_mask: bool = False, mask_dtype=None, segments: bool = False) -> PackedBatch:
     """Rows of concatenated examples, right-padded to the widest row.
 
     ``input_ids``, ``position_ids`` (restarting at 0 per example; padding is its own segment) and
@@ -235,12 +243,13 @@ def collate_packed(dataset: "TokenizedSet", pack: Sequence[Sequence[int]], pad_i
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
     labels = torch.full(shape, -100, dtype=torch.long)
-    tokens = 0
+    tokens = attended = 0
     for r, row in enumerate(pack):
         at = 0
         for index in row:
             ids, mask = dataset.example(index)
             n = len(ids)
+            attended += n * n if segments else n * width
             input_ids[r, at:at + n] = ids
             position_ids[r, at:at + n] = torch.arange(n)
             labels[r, at:at + n] = torch.where(mask.bool(), ids, torch.tensor(-100))
@@ -251,7 +260,7 @@ def collate_packed(dataset: "TokenizedSet", pack: Sequence[Sequence[int]], pad_i
     tensors = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
     if explicit_mask:
         tensors["attention_mask"] = block_causal_mask(position_ids, mask_dtype or torch.float32)
-    return PackedBatch(tensors, int((labels != -100).sum()), tokens, len(pack) * width)
+    return PackedBatch(tensors, int((labels != -100).sum()), tokens, len(pack) * width, attended)
 
 
 def block_causal_mask(position_ids: "torch.Tensor", dtype) -> "torch.Tensor":
@@ -299,18 +308,17 @@ def attention_mode(model, vocab_size: int | None = None, atol: float = 1e-4) -> 
 
 
 def make_planner(training, max_length: int, sampler: "Sampler", lengths: Sequence[int],
-                 packing: "bool | str") -> PaddedPlanner:
+                 packing: "bool | str", device: str = "cpu") -> PaddedPlanner:
     """The step planner a job trains with: ``Packer`` (each micro-batch in rows of ``pack_tokens``,
     by default one row of ``batch_size x max_length``) or ``PaddedPlanner`` (one example a row).
     ``packing = "auto"`` packs when the unpacked micro-batches' padding share (in the sampler's
-    order) is at least ``PACK_ABOVE`` (``PACK_ABOVE_GROUPED`` in length-grouped order); the share is
-    kept on the planner (``unpacked_padding``) for the provenance."""
+    order) is at least ``pack_above(device)``; the share is kept on the planner
+    (``unpacked_padding``) for the provenance."""
     padded = PaddedPlanner(sampler, micro=training.batch_size, accum=training.grad_accum,
                            world=training.world_size)
     share = padding_share(padded, lengths) if lengths else None
     padded.unpacked_padding = share
-    above = PACK_ABOVE_GROUPED if getattr(sampler, "grouped", False) else PACK_ABOVE
-    if packing is False or (packing == "auto" and share is not None and share < above):
+    if packing is False or (packing == "auto" and share is not None and share < pack_above(device)):
         return padded
     row_tokens = training.pack_tokens or training.batch_size * max_length
     if row_tokens < max_length:

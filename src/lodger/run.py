@@ -66,10 +66,11 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     # at start only picks how packed examples are kept apart (train/state.py).
     lengths = example_lengths(train_set)
     sampler = make_sampler(job.training, train_indices, lengths)  # [training] order
-    planner = make_planner(job.training, job.data.max_length, sampler, lengths, job.training.packing)
+    device = device or pick_device(job)
+    planner = make_planner(job.training, job.data.max_length, sampler, lengths, job.training.packing, device)
     steps = job.training.steps or planner.steps_for(job.training.epochs * len(train_indices))
     return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
-                    train_indices, eval_indices, steps, device or pick_device(job), planner)
+                    train_indices, eval_indices, steps, device, planner)
 
 
 def preflight(prepared: Prepared, force: bool = False) -> dict:

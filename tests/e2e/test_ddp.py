@@ -111,7 +111,7 @@ def test_power_cut_of_two_rank_run_then_resume_is_bitwise_equal(killed_ddp, ddp_
     assert event_kinds(info).count("resumed") == 1
     # packed ([training] packing = "auto"): each rank trained its share of every step's packs
     segments = json.loads((folder / "provenance.json").read_text())["segments"]
-    assert [s["data"]["packing"]["mode"] for s in segments] == ["position_ids", "position_ids"], segments
+    assert [s["data"]["packing"]["mode"] for s in segments] == ["segments", "segments"], segments
 
 
 @pytest.mark.parametrize("other", [1, 3])

@@ -87,12 +87,13 @@ def test_sigkill_at_random_steps_then_resume_is_bitwise_equal(standard_job, base
 def assert_packed(folder: Path) -> None:
     """The standard job trains packed ([training] packing = "auto" on the tiny Llama, whose chats
     would be padding enough unpacked): every segment says so, and no step computed padding (each
-    micro-batch one row of at most batch_size x max_length = 4 x 64 tokens)."""
+    micro-batch one row of at most batch_size x max_length = 4 x 64 tokens), attention per example
+    on the CPU (train/attention.py)."""
     segments = json.loads((folder / "provenance.json").read_text())["segments"]
     packing = [s["data"]["packing"] for s in segments]
     assert all(p == packing[0] for p in packing), packing
     assert {k: packing[0][k] for k in ("mode", "pack_tokens", "setting")} == \
-        {"mode": "position_ids", "pack_tokens": 256, "setting": "auto"}, packing
+        {"mode": "segments", "pack_tokens": 256, "setting": "auto"}, packing
     assert packing[0]["unpacked_padding"] >= 0.1, packing
     records = [r for r in read_metrics(folder) if r["kind"] == "train"]
     assert all(r["padded"] == 0 < r["computed"] for r in records), records[:3]
@@ -280,5 +281,5 @@ def test_sigkilled_length_grouped_packed_run_resumes_bitwise_equal(tiny_model_di
     assert final_adapter_bytes(folder) == final_adapter_bytes(reference)
     segments = json.loads((folder / "provenance.json").read_text())["segments"]
     assert len(segments) == 2 and all(s["data"]["order"] == "length_grouped" for s in segments), segments
-    assert all(s["data"]["packing"]["mode"] == "position_ids" for s in segments), segments
+    assert all(s["data"]["packing"]["mode"] == "segments" for s in segments), segments
     assert all(r["padded"] == 0 for r in read_metrics(folder) if r["kind"] == "train")

@@ -135,14 +135,18 @@ def test_the_order_key_defaults_to_shuffle_and_a_bad_value_names_key_value_and_c
     assert load_job(job).training.order == "length_grouped"
 
 
-def test_auto_trains_grouped_steps_in_padded_rows_unless_even_grouped_they_are_mostly_padding() -> None:
-    from lodger.packing import PACK_ABOVE_GROUPED
+def test_auto_packs_grouped_steps_on_the_cpu_and_elsewhere_only_when_they_are_padding_enough() -> None:
+    from lodger.packing import PACK_ABOVE, PACK_ABOVE_CPU
 
     training = SimpleNamespace(batch_size=4, grad_accum=2, world_size=1, pack_tokens=None)
-    planner = make_planner(training, 512, grouped(group=8), LENGTHS, "auto")
-    shuffled = make_planner(training, 512, Sampler(INDICES, 3), LENGTHS, "auto")
-    assert shuffled.packed and not planner.packed and planner.unpacked_padding < PACK_ABOVE_GROUPED
-    assert make_planner(training, 512, grouped(group=8), LENGTHS, True).packed  # true packs whatever the order
+    on_cpu = make_planner(training, 512, grouped(group=8), LENGTHS, "auto", "cpu")
+    on_gpu = make_planner(training, 512, grouped(group=8), LENGTHS, "auto", "cuda")
+    shuffled = make_planner(training, 512, Sampler(INDICES, 3), LENGTHS, "auto", "cuda")
+    # grouped, the padded rows hold little padding: above the CPU's bar (per-example attention makes
+    # packing never cost more there), below the bar of a device whose packed attention is one square
+    assert PACK_ABOVE_CPU <= on_cpu.unpacked_padding < PACK_ABOVE <= shuffled.unpacked_padding
+    assert on_cpu.packed and not on_gpu.packed and shuffled.packed
+    assert make_planner(training, 512, grouped(group=8), LENGTHS, True, "cuda").packed  # true packs whatever the order
     # megabatches of one micro-batch (too few examples to group): grouping cannot help, and auto packs
     spread = [8, 500] * 6
     few = LengthGroupedSampler(list(range(12)), 0, spread, 4)

@@ -16,6 +16,7 @@ from lodger.errors import JobFileError
 from lodger.model import load_base_model, load_tokenizer
 from lodger.packing import (PACK_ABOVE, Packer, PaddedPlanner, attention_mode, block_causal_mask,
                             collate_packed, example_lengths, make_planner, pack_list, pack_rows, padding_share)
+from lodger.train.attention import SEGMENTS, segment_bounds, set_attention
 
 
 def synthetic_set(lengths: list[int], seed: int = 0) -> TokenizedSet:
@@ -197,11 +198,11 @@ def three_of_different_lengths(data: TokenizedSet) -> list[int]:
     return [by_length[n] for n in sorted(by_length)[:: max(1, len(by_length) // 3)][:3]]
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", SEGMENTS])
 @pytest.mark.parametrize("explicit_mask", [False, True])
 def test_each_example_inside_a_pack_has_the_logits_it_has_alone(tiny_model_dir, chats, impl, explicit_mask):
     model = load_base_model(tiny_model_dir)
-    model.set_attn_implementation(impl)
+    assert set_attention(model, impl)
     model.eval()
     assert model.config._attn_implementation == impl
     chosen = three_of_different_lengths(chats)
@@ -214,6 +215,30 @@ def test_each_example_inside_a_pack_has_the_logits_it_has_alone(tiny_model_dir, 
             alone = model(input_ids=ids[None]).logits[0]
             torch.testing.assert_close(logits[at:at + len(ids)], alone, atol=1e-5, rtol=1e-4)
             at += len(ids)
+
+
+def test_per_example_attention_gives_padded_rows_of_packs_each_examples_own_logits_bit_for_bit(tiny_model_dir, chats):
+    """Rows of several examples, right-padded to the widest (pack_tokens): the CPU's per-example
+    kernel computes each example as it is computed alone (same shapes, same kernel), so the
+    logits match exactly, and the keys it attends are the examples' squares."""
+    model = load_base_model(tiny_model_dir).eval()
+    assert set_attention(model, SEGMENTS) and attention_mode(model) == "position_ids"
+    chosen = three_of_different_lengths(chats)
+    rows = ((chosen[0], chosen[2]), (chosen[1],))
+    packed = collate_packed(chats, rows, pad_id=2, segments=True)
+    lengths = example_lengths(chats)
+    assert packed.attended == sum(lengths[i] ** 2 for i in chosen)
+    width = packed.positions // len(rows)
+    assert collate_packed(chats, rows, pad_id=2).attended == sum(lengths[i] for i in chosen) * width  # whole rows
+    assert segment_bounds(packed.tensors["position_ids"])[1][0] == (0, lengths[chosen[1]])
+    with torch.no_grad():
+        logits = model(input_ids=packed.tensors["input_ids"], position_ids=packed.tensors["position_ids"]).logits
+        for r, row in enumerate(rows):
+            at = 0
+            for i in row:
+                ids, _ = chats.example(i)
+                assert torch.equal(logits[r, at:at + len(ids)], model(input_ids=ids[None]).logits[0])
+                at += len(ids)
 
 
 def test_packing_is_not_detected_while_a_kv_cache_is_built(tiny_model_dir, chats):
@@ -247,8 +272,10 @@ def token_loss(model, tensors) -> tuple[torch.Tensor, int]:
     return loss, int((labels != -100).sum())
 
 
-def test_a_packed_step_has_the_loss_and_gradients_of_the_padded_step(tiny_model_dir, chats):
+@pytest.mark.parametrize("impl", ["sdpa", SEGMENTS])
+def test_a_packed_step_has_the_loss_and_gradients_of_the_padded_step(tiny_model_dir, chats, impl):
     model = load_base_model(tiny_model_dir)
+    assert set_attention(model, impl)  # padded batches carry a mask: SEGMENTS hands them to sdpa
     step = list(range(len(chats)))
     lengths = example_lengths(chats)
     packs = pack_list(step, lengths, rows=4, row_tokens=4 * max(lengths))

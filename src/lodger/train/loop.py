@@ -81,9 +81,9 @@ def train(st: "TrainState", *, checkpointer, recorder, control, sync) -> str:
         return "paused"
 
 
-def _backward(st: "TrainState", packs, step_tokens: int, control, sync) -> tuple[torch.Tensor, int, int]:
+def _backward(st: "TrainState", packs, step_tokens: int, control, sync) -> tuple[torch.Tensor, int, int, int]:
     """This process's micro-batches of the step, forward and backward: (summed loss of its share,
-    positions computed, of which padding)."""
+    positions computed, of which padding, keys attended (PackedBatch.attended))."""
     batches = [st.planner.collate(st.train_set, pack, st.pad_id) for pack in packs]
     loss_sum = torch.zeros((), dtype=torch.float32, device=st.device)
     rng_at_step_start = capture_rng()  # a few KB copied; lets a release drop this step exactly
@@ -102,7 +102,7 @@ def _backward(st: "TrainState", packs, step_tokens: int, control, sync) -> tuple
         raise
     control.in_step = False
     computed = sum(b.positions for b in batches)
-    return loss_sum, computed, computed - sum(b.tokens for b in batches)
+    return loss_sum, computed, computed - sum(b.tokens for b in batches), sum(b.attended for b in batches)
 
 
 def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
@@ -126,7 +126,7 @@ def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
         for group in st.optimizer.param_groups:
             group["lr"] = lr
         step_tokens = st.train_set.target_tokens(plan.indices())  # of the whole step, every rank's examples
-        loss_sum, computed, padded = _backward(st, plan.share(sync.rank, sync.world_size), step_tokens,
+        loss_sum, computed, padded, attended = _backward(st, plan.share(sync.rank, sync.world_size), step_tokens,
                                                control, sync)
         loss_sum = sync.finish_step(params, loss_sum, last_save)
         loss_value, norm_value, finite, overflow = optimizer_step(params, st.optimizer, st.precision, max_norm,
@@ -139,7 +139,7 @@ def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
         rec.step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
                  seconds=time.perf_counter() - started - held, held=held, skipped=not finite or overflow,
                  samples=None if finite else [int(st.train_set.lines[i]) for i in plan.indices()],
-                 computed=computed, padded=padded)
+                 computed=computed, padded=padded, attended=attended)
         if verdict == "spike":
             rec.spike(p.step, loss_value, zscore)
         if verdict == "rollback":

@@ -51,10 +51,11 @@ class Recorder:
 
     def step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
              skipped: bool, samples: list[int] | None, held: float = 0.0, computed: int = 0,
-             padded: int = 0) -> None:
+             padded: int = 0, attended: int = 0) -> None:
         """``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart).
         ``tokens`` are the step's target tokens (every rank); ``computed`` the positions this rank
-        computed and ``padded`` the padding among them (0: unknown, no padding share or MFU)."""
+        computed and ``padded`` the padding among them (0: unknown, no padding share or MFU);
+        ``attended`` the keys their attention computed (PackedBatch.attended; 0: the row widths)."""
         step = self.progress.step
         self.control.step = step
         if not self.writes:
@@ -63,7 +64,7 @@ class Recorder:
                   "tokens": tokens, "seconds": seconds, "time": time.time(), "segment": self.progress.segment}
         if held:
             record["held_seconds"] = held
-        waste = self._waste(tokens, seconds, computed, padded)
+        waste = self._waste(tokens, seconds, computed, padded, attended)
         record.update(waste)
         if skipped:
             record["skipped"] = True
@@ -76,13 +77,13 @@ class Recorder:
                            show=step % every == 0 or step == self.total_steps or step == 1,
                            padding=waste.get("padding"), mfu=waste.get("mfu"))
 
-    def _waste(self, tokens: int, seconds: float, computed: int, padded: int) -> dict:
+    def _waste(self, tokens: int, seconds: float, computed: int, padded: int, attended: int = 0) -> dict:
         """The metric line's throughput fields: target tokens/s, and with the positions computed,
         their padding share and the model FLOPs utilisation (train/throughput.py)."""
         fields: dict = {"tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else None}
         if computed > 0:
             fields.update(computed=computed, padded=padded, padding=round(padded / computed, 4))
-            mfu = self.work.mfu(computed, padded, seconds, tokens) if self.work is not None else None
+            mfu = self.work.mfu(computed, padded, seconds, tokens, attended) if self.work is not None else None
             if mfu is not None:
                 fields["mfu"] = round(mfu, 4)
         return fields

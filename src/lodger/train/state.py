@@ -88,16 +88,23 @@ def make_sync(control, limits, job, ranks: Ranks):
 
 
 def choose_attention(prepared: Prepared, model) -> tuple[Any, str]:
-    """The planner this process trains with and how packed examples are kept apart:
-    "position_ids" (the attention reads restarting position ids), "mask" (an explicit block-causal
-    mask), or "unpacked". A probe of the real model on its device (packing.attention_mode);
-    ``packing = "auto"`` falls back to unpacked batches when neither keeps examples apart."""
+    """The planner this process trains with and how packed examples are kept apart: "segments"
+    (on the CPU: attention runs per example, attention.py), "position_ids" (transformers reads
+    restarting position ids and masks the row), "mask" (an explicit block-causal mask), or
+    "unpacked". A probe of the real model on its device (packing.attention_mode);
+    ``packing = "auto"`` falls back to unpacked batches when nothing keeps examples apart."""
     from ..errors import JobFileError
     from ..packing import attention_mode, make_planner
+    from .attention import SEGMENTS, set_attention
 
     planner, training = prepared.planner, prepared.job.training
     if planner is None or not planner.packed:
         return planner, "unpacked"
+    if prepared.device == "cpu" and set_attention(model, SEGMENTS):
+        if attention_mode(model) == "position_ids":
+            planner.segments = True
+            return planner, "segments"
+        set_attention(model, "sdpa")  # the probe found examples mixed: transformers' own, probed below
     mode = attention_mode(model)
     if mode is None and training.packing is True:
         raise JobFileError("[training] packing = true, but this model's attention mixes packed examples "

@@ -121,21 +121,23 @@ class StepWork:
         self.threads, self.precision, self.device = threads, precision, device
         self.rate: float | None = None
 
-    def flops(self, computed: int, padded: int, targets: int = 0) -> float:
-        """Model FLOPs of a step's real (non-padding) positions, attention at the mean row width;
-        the head's only at its ``targets`` (this rank's labelled positions) when the loss skips
-        the rest (loss.py)."""
-        body = token_flops(self.matmul - self.head, self.trainable - self.head_trainable, self.attention_width,
-                           computed / self.rows)
-        head = token_flops(self.head, self.head_trainable, 0.0, 0.0)
+    def flops(self, computed: int, padded: int, targets: int = 0, attended: int = 0) -> float:
+        """Model FLOPs of a step's real (non-padding) positions, attention over the keys their
+        kernels computed (``attended``: PackedBatch.attended; 0: the mean row width); the head's
+        only at its ``targets`` (this rank's labelled positions) when the loss skips the rest
+        (loss.py)."""
         real = computed - padded
+        context = attended / real if attended and real > 0 else computed / self.rows
+        body = token_flops(self.matmul - self.head, self.trainable - self.head_trainable, self.attention_width,
+                           context)
+        head = token_flops(self.head, self.head_trainable, 0.0, 0.0)
         return real * body + (min(targets, real) if self.head else real) * head
 
-    def mfu(self, computed: int, padded: int, seconds: float, tokens: int = 0) -> float | None:
+    def mfu(self, computed: int, padded: int, seconds: float, tokens: int = 0, attended: int = 0) -> float | None:
         """Model FLOPs utilisation of a step: its model FLOPs over its time, against the matmul
         rate. ``tokens``: the step's target tokens, every rank's."""
         if computed <= 0 or seconds <= 0 or not self.matmul:
             return None
         if self.rate is None:
             self.rate = matmul_rate(self.threads, self.precision, self.device)
-        return self.flops(computed, padded, tokens // self.world) / seconds / self.rate
+        return self.flops(computed, padded, tokens // self.world, attended) / seconds / self.rate
