@@ -27,12 +27,14 @@ SEGMENTS = "lodger_segments"
 
 def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     """Per row, the [start, end) of each example: a new one wherever the position does not step by one
-    (transformers' ``find_packed_sequence_indices`` rule). One host copy per call (CPU tensors)."""
-    rows = position_ids.tolist()
+    (transformers' ``find_packed_sequence_indices`` rule). One small host copy per call (CPU tensors)."""
+    width = position_ids.shape[-1]
+    new = torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1]) != 1
+    new[:, 0] = True  # every row starts an example
     bounds = []
-    for row in rows:
-        starts = [k for k in range(len(row)) if k == 0 or row[k] != row[k - 1] + 1]
-        bounds.append(list(zip(starts, starts[1:] + [len(row)])))
+    for row in new:
+        starts = row.nonzero().flatten().tolist()
+        bounds.append(list(zip(starts, starts[1:] + [width])))
     return bounds
 
 
