@@ -71,24 +71,23 @@ def mechanism(privacy: dict, max_weight: float | None = None) -> dict:
     the job's token bound per client and round, named in the secure-aggregation line)."""
     from .secagg import describe
 
+    out: dict = {"clipping": None, "noise": None}
+    if privacy.get("clip_norm"):
+        local = privacy.get("local_epsilon") is not None
+        noise = []
+        if local:
+            noise.append(f"local: flwr LocalDpMod (epsilon {privacy['local_epsilon']:g}, delta "
+                         f"{privacy['local_delta']:g})")
+        if privacy.get("noise_multiplier"):
+            noise.append(f"central: the server adds Gaussian noise x{privacy['noise_multiplier']:g} to the aggregate")
+        out = {"clipping": f"flwr {'LocalDpMod' if local else 'fixedclipping_mod'} to L2 norm {privacy['clip_norm']:g}",
+               "noise": "; ".join(noise) or None,
+               "reproducible": "bitwise on the same machines (noise seeded by the job seed, the round and a secret "
+                               "kept by the side that adds it); not elsewhere"}
     secure = describe(privacy, max_weight)
-    if not privacy.get("clip_norm"):
-        out = {"clipping": None, "noise": None}
-        if secure:
-            out.update(secure_aggregation=secure, reproducible=SECAGG_REPRODUCIBLE)
-        return out
-    local = privacy.get("local_epsilon") is not None
-    noise = []
-    if local:
-        noise.append(f"local: flwr LocalDpMod (epsilon {privacy['local_epsilon']:g}, delta {privacy['local_delta']:g})")
-    if privacy.get("noise_multiplier"):
-        noise.append(f"central: the server adds Gaussian noise x{privacy['noise_multiplier']:g} to the aggregate")
-    out = {"clipping": f"flwr {'LocalDpMod' if local else 'fixedclipping_mod'} to L2 norm {privacy['clip_norm']:g}",
-           "noise": "; ".join(noise) or None,
-           "reproducible": "bitwise on the same machines (noise seeded by the job seed, the round and a secret "
-                           "kept by the side that adds it); not elsewhere"}
     if secure:
-        out.update(secure_aggregation=secure, reproducible=out["reproducible"] + "; " + SECAGG_REPRODUCIBLE)
+        out["secure_aggregation"] = secure
+        out["reproducible"] = "; ".join(filter(None, [out.get("reproducible"), SECAGG_REPRODUCIBLE]))
     return out
 
 

@@ -25,6 +25,16 @@ import torch.nn.functional as F
 SEGMENTS = "lodger_segments"
 
 
+_LAST: list = [None, None]  # (position_ids, bounds): every layer of one forward gets the same tensor
+
+
+def bounds_of(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """``segment_bounds``, worked out once per forward: the model hands each layer the same tensor."""
+    if _LAST[0] is not position_ids:
+        _LAST[:] = [position_ids, segment_bounds(position_ids)]
+    return _LAST[1]
+
+
 def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     """Per row, the [start, end) of each example: a new one wherever the position does not step by one
     (transformers' ``find_packed_sequence_indices`` rule). One small host copy per call (CPU tensors)."""
@@ -49,7 +59,10 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     rows = []
-    for b, bounds in enumerate(segment_bounds(position_ids.expand(query.shape[0], -1))):
+    rows_bounds = bounds_of(position_ids)
+    if len(rows_bounds) != query.shape[0]:  # position ids given once for the whole batch
+        rows_bounds = rows_bounds * query.shape[0]
+    for b, bounds in enumerate(rows_bounds):
         parts = [F.scaled_dot_product_attention(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
                                                 dropout_p=dropout, scale=scaling, is_causal=e - s > 1)
                  for s, e in bounds]
