@@ -1,0 +1,195 @@
+"""The job file's typed, documented models, and how a problem in one is described.
+
+Defaults live here and only here. Reading a job file (user defaults, registered datasets, one
+``JobFileError`` listing every problem) is jobfile.py, which sits above the ledger; this module
+imports nothing of lodger but errors, so anything may read a job's shape. One module per group of
+sections (model.py, training.py, owner.py, remote.py); this one joins them into the job.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
+
+from ..errors import JobFileError
+from .base import Float, Int, Section  # noqa: F401 (the sections' vocabulary, used by other config files)
+from .model import DataConfig, MethodConfig, ModelConfig
+from .owner import USER_ONLY_SECTIONS, USER_SECTIONS, AgentSettings, DatasetPolicyConfig, LimitsConfig, PolicyConfig  # noqa: F401
+from .remote import FederatedConfig, FederatedPrivacyConfig, RemoteConfig  # noqa: F401
+from .training import CheckpointConfig, GuardConfig, TrainingConfig
+
+
+class JobConfig(Section):
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Output name: the run id starts with it. Letters, digits, `_`, `.`, `-`."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The base model."""
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    """What is trained: a LoRA adapter or all weights."""
+    data: DataConfig
+    """Where the examples come from."""
+    training: TrainingConfig
+    """Optimisation settings."""
+    checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """How often state is committed to disk."""
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+    """What happens when numbers go bad (NaN/Inf losses, spikes)."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    """When the run yields the machine to its owner (defaults: [policy] in $LODGER_HOME/config.toml)."""
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    """Resource limits, enforced and recorded (defaults: [limits] in $LODGER_HOME/config.toml)."""
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    """Limits that must be declared before the job may move to remote compute (`lodger submit`)."""
+    federated: FederatedConfig | None = None
+    """Present: the job runs as a federated Flower app (`lodger federate`, `lodger submit --federated`)."""
+
+    # What each data file is (lodger.datasets.DataUse: hash, registration), found at load time.
+    _data_uses: list = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _federated_is_lora(self) -> "JobConfig":
+        if self.federated is not None and self.method.kind != "lora":
+            raise ValueError("[federated] needs [method] kind = \"lora\": federated rounds send the trained "
+                             "weights every round, and full weights are the whole model (too large to move "
+                             "each round, and they reveal more of the data); use kind = \"lora\"")
+        return self
+
+    def resolved_dict(self) -> dict[str, Any]:
+        """The job with every default filled in, as plain TOML-ready values."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def data_uses(self) -> list:
+        """The job's data files as ``lodger.datasets.DataUse`` (role, hash, registered dataset or
+        None), resolved when the job was loaded."""
+        return list(self._data_uses)
+
+    def attach_data_uses(self, uses: list) -> None:
+        """Set by the job loader (jobfile.py) once the data files are resolved."""
+        self._data_uses = list(uses)
+
+
+def _fix_for(error: dict[str, Any], model_fields: dict[str, Any]) -> str:
+    kind = error["type"]
+    key = str(error["loc"][-1]) if error["loc"] else ""
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(key, list(model_fields), n=1)
+        hint = f"did you mean `{close[0]}`? " if close else ""
+        return f"{hint}remove it (known keys: {', '.join(sorted(model_fields))})"
+    if kind == "missing":
+        return "add it"
+    if kind == "literal_error":
+        return "use one of the allowed values"
+    return _TYPE_FIXES.get(kind, "change the value")
+
+
+_TYPE_FIXES = {
+    "int_type": "write a whole number without quotes (e.g. 4)", "float_type": "write a number without quotes (e.g. 0.5)",
+    "string_type": "write it as a string in quotes", "bool_type": "write true or false (without quotes)",
+    "list_type": "write a list, e.g. [\"a\", \"b\"]", "finite_number": "write a finite number (not nan or inf)",
+    "dict_type": "write it as a table [section] with its keys below", "model_type": "write it as a table [section] "
+    "with its keys below", "greater_than": "use a larger value", "greater_than_equal": "use a larger value",
+    "less_than": "use a smaller value", "less_than_equal": "use a smaller value"}  # pydantic's error kinds
+
+
+def _section_fields(loc: tuple[Any, ...], model: type[BaseModel] | None = None) -> dict[str, Any]:
+    model = model or JobConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            break
+    return model.model_fields
+
+
+def describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> str:
+    """One problem as `[section] key = value: reason; fix: ...` (``loc`` starts in ``model``, default the job)."""
+    loc = tuple(error["loc"])
+    section = ".".join(str(p) for p in loc[:-1])
+    key = f"[{section}] {loc[-1]}" if section else (str(loc[-1]) if loc else "(file)")
+    if error["type"] == "missing":
+        where = f"[{section}] " if section else ""
+        annotation = getattr(_section_fields(loc, model).get(str(loc[-1])) if loc else None, "annotation", None)
+        if not section and isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            needs = _SECTION_NEEDS.get(str(loc[-1])) or ", ".join(
+                f"{k} = ..." for k, f in annotation.model_fields.items() if f.is_required())
+            return f"[{loc[-1]}]: missing section; add it" + (f" with {needs}" if needs else "")
+        return f"{where}{loc[-1]}: missing; add it" if loc else "missing value"
+    value = error.get("input")
+    shown = "" if isinstance(value, dict) else f" = {value!r}"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc, model))}"
+
+
+# What a missing section needs at least, for the error that says it is missing.
+_SECTION_NEEDS = {"data": 'train = "FILE.jsonl"', "training": "steps = N (or epochs = N)"}
+
+
+def cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
+    """Problems pydantic would report only once every field is valid; checked on the raw table so
+    they are listed together with everything else."""
+    problems = []
+    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    if "steps" in training and "epochs" in training:
+        problems.append(f"[training] steps = {training['steps']!r} and epochs = {training['epochs']!r}: "
+                        "give either `steps` or `epochs`, not both; fix: remove one of them")
+    elif isinstance(raw.get("training"), dict) and "steps" not in training and "epochs" not in training:
+        problems.append("[training] steps: missing; add `steps = N` or `epochs = N`")
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    for key in ("train", "eval"):
+        if isinstance(data.get(key), str) and data[key].startswith(DATASET_PREFIX):
+            continue  # resolved through the registry (jobfile.py)
+        if isinstance(data.get(key), str) and not (base_dir / data[key]).is_file():
+            problems.append(f"[data] {key} = {data[key]!r}: file not found at {(base_dir / data[key]).resolve()}; "
+                            "fix the path (relative paths start at the job file's folder)")
+    return problems
+
+
+DATASET_PREFIX = "dataset:"
+
+
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        text = (raw := path.read_bytes()).decode("utf-8")
+    except FileNotFoundError:
+        raise JobFileError(f"{path}: no such {what}; create one with `lodger init {path}`") from None
+    except OSError as exc:
+        raise JobFileError(f"{path}: cannot read the {what}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise JobFileError(f"{path}: cannot read the {what}: line {line} is not valid UTF-8 (byte "
+                           f"0x{raw[exc.start]:02x}); save the file as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise JobFileError(f"{path}: not valid TOML: {exc}; fix the syntax at that line") from None
+
+
+def total_steps(job: JobConfig, n_train: int) -> int:
+    """Optimizer steps the job will take, from `steps` or from `epochs` over ``n_train`` examples."""
+    if job.training.steps is not None:
+        return job.training.steps
+    per_step = job.training.batch_size * job.training.grad_accum * job.training.world_size  # all ranks' examples
+    return epoch_steps(job.training.epochs * n_train, n_train, per_step)
+
+
+def epoch_steps(examples: float, n_train: int, per_step: int) -> int:
+    """Steps that draw ``examples`` sampler positions when a step takes ``per_step`` of them and
+    ends early at the end of each epoch of ``n_train`` (packing.py): whole epochs, then the rest."""
+    full, rest = divmod(examples, n_train)
+    rest = round(rest, 6)  # 0.3 x 10 is 3.0000000000000004 positions, not 4 steps of 1
+    return max(1, int(full) * math.ceil(n_train / per_step) + math.ceil(rest / per_step))
+
+
+def job_hash(job: JobConfig) -> str:
+    """The identity of a job: sha256 of its resolved settings (recorded with every run of it)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(job.resolved_dict(), sort_keys=True).encode()).hexdigest()
