@@ -36,6 +36,8 @@ __all__ = [
     "make_text_records",
     "write_chat_jsonl",
     "write_text_jsonl",
+    "make_preference_records",
+    "write_preference_jsonl",
 ]
 
 # Same order as SmolLM2: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2.
@@ -119,6 +121,45 @@ def make_text_records(n: int, seed: int) -> list[dict]:
         prompt, answer = _task(rng)
         records.append({"text": f"Question: {prompt}\nAnswer: {answer}"})
     return records
+
+
+def _worse(answer: str, rng: random.Random) -> str:
+    """A wrong answer to one of ``_task``'s prompts: the same kind of text, shuffled or cut."""
+    words = answer.split()
+    if len(words) > 1:
+        worse = words[:]
+        while worse == words:
+            rng.shuffle(worse)
+        return " ".join(worse)
+    return answer[: max(1, len(answer) // 2)] + " ?"
+
+
+def make_preference_records(n: int, seed: int, objective: str = "dpo", conversational: bool = True) -> list[dict]:
+    """``n`` preference lines: pairs ``{"prompt", "chosen", "rejected"}`` (dpo, orpo) or labelled
+    ``{"prompt", "completion", "label"}`` (kto: good and bad alternate), as message lists (TRL's
+    conversational format) or strings; the chosen answer is ``_task``'s, the rejected a wrong one."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        prompt, answer = _task(rng)
+        worse = _worse(answer, rng)
+        if conversational:
+            system = [{"role": "system", "content": rng.choice(_SYSTEM_PROMPTS)}] if i % 3 == 1 else []
+            prompt = system + [{"role": "user", "content": prompt}]
+            answer, worse = ([{"role": "assistant", "content": a}] for a in (answer, worse))
+        else:
+            prompt = f"Question: {prompt}\nAnswer: "
+        if objective == "kto":
+            records.append({"prompt": prompt, "completion": answer if i % 2 == 0 else worse, "label": i % 2 == 0})
+        else:
+            records.append({"prompt": prompt, "chosen": answer, "rejected": worse})
+    return records
+
+
+def write_preference_jsonl(path: Path, n: int, seed: int, objective: str = "dpo",
+                           conversational: bool = True) -> Path:
+    """Write ``n`` deterministic preference lines (``make_preference_records``) to ``path``."""
+    return _write_jsonl(path, make_preference_records(n, seed, objective, conversational))
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> Path:

@@ -16,6 +16,9 @@ from .ledger import Ledger
 from .ledger.provenance import drift
 
 IGNORED_JOB_KEYS = ("name",)  # naming a run differently does not change what it computes
+# A preference run's metric fields per step (train/objective.py): compared and plotted with the loss.
+PREFERENCE_METRICS = ("reward_margin", "reward_accuracy", "rewards_chosen", "rewards_rejected", "kl", "nll",
+                      "log_odds_ratio")
 
 
 def flatten(table: dict, prefix: str = "") -> dict[str, Any]:
@@ -96,6 +99,8 @@ class Comparison:
     weights_equal: bool | None = None
     max_weight_diff: float | None = None
     interruptions: dict[str, list] = field(default_factory=dict)
+    preference: dict[str, dict[str, list]] = field(default_factory=dict)  # run -> metric -> [(step, value)]
+    preference_differences: list[str] = field(default_factory=list)  # metrics that differ at a shared step
     untrusted: list[str] = field(default_factory=list)  # rows the hash chain does not confirm
     verdict: str = ""
     equal: bool = False
@@ -112,8 +117,9 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5) -> Comparison:
         c = Comparison(a, b)
         pa, pb = ledger.provenance(a), ledger.provenance(b)
         ea, eb = ledger.events(a), ledger.events(b)
-        la = {m["step"]: m["loss"] for m in ledger.metrics(a)}
-        lb = {m["step"]: m["loss"] for m in ledger.metrics(b)}
+        ma, mb = ledger.metrics(a), ledger.metrics(b)
+        la, lb = {m["step"]: m["loss"] for m in ma}, {m["step"]: m["loss"] for m in mb}
+        c.preference = {run: _preference_series(rows) for run, rows in ((a, ma), (b, mb))}
         c.untrusted = [f"{p.where()}: {p.problem}" for p in ledger.run_problems([a, b])]
         c.evals = {a: [(m["step"], m["eval_loss"]) for m in ledger.metrics(a, "eval")],
                    b: [(m["step"], m["eval_loss"]) for m in ledger.metrics(b, "eval")]}
@@ -156,12 +162,24 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5) -> Comparison:
     if shared:
         worst = max(shared, key=lambda t: abs(t[1] - t[2]))
         c.max_loss_diff, c.max_loss_diff_step = abs(worst[1] - worst[2]), worst[0]
+    both = set(la) & set(lb)
+    c.preference_differences = [name for name in PREFERENCE_METRICS
+                                if _at(c.preference[a].get(name), both) != _at(c.preference[b].get(name), both)]
     wa, wb = final_weights(a), final_weights(b)
     why_not = None
     if wa and wb:
         c.weights_equal, c.max_weight_diff, why_not = weight_difference(wa, wb)
     c.verdict, c.equal = _verdict(c, ra, rb, la, lb, tolerance, why_not)
     return c
+
+
+def _preference_series(rows: list[dict]) -> dict[str, list]:
+    series = {name: [(r["step"], r[name]) for r in rows if r.get(name) is not None] for name in PREFERENCE_METRICS}
+    return {name: points for name, points in series.items() if points}
+
+
+def _at(points, steps: set) -> dict:
+    return {s: v for s, v in (points or []) if s in steps}
 
 
 def _verdict(c: Comparison, ra: dict, rb: dict, la: dict, lb: dict, tolerance: float,
@@ -182,6 +200,9 @@ def _verdict(c: Comparison, ra: dict, rb: dict, la: dict, lb: dict, tolerance: f
     causes = [f"{run}: {d}" for run, ds in c.drift.items() for d in ds] + \
              [f"setup: {d}" for d in c.environment_differences]
     because = f" (known causes: {'; '.join(causes)})" if causes else ""
+    if c.weights_equal and c.max_loss_diff == 0.0 and c.preference_differences:
+        return ("different: every per-step loss and final weight is identical, but the preference metrics "
+                f"{', '.join(c.preference_differences)} differ{because}"), False
     if c.weights_equal and c.max_loss_diff == 0.0:
         note = f" (drift was recorded but changed no bit here: {'; '.join(causes)})" if causes else ""
         return "bitwise equal: every per-step loss and every final trainable weight is identical" + note, True
@@ -231,7 +252,8 @@ def figure(c: Comparison):
     from matplotlib.transforms import offset_copy
 
     differs = c.max_loss_diff not in (None, 0.0) or c.weights_equal is False
-    rows = 3 if differs else 2
+    preference = any(c.preference.values())
+    rows = 2 + differs + preference
     fig, axes = plt.subplots(rows, 1, figsize=(9, 2.6 * rows + 0.8), sharex=True, squeeze=True)
     ax, ax_eval = axes[0], axes[1]
     names = {0: f"A {c.a}", 1: f"B {c.b}"}
@@ -273,7 +295,27 @@ def figure(c: Comparison):
         axes[2].axhline(0.0, color="grey", linewidth=0.8)
         axes[2].plot([s for s, _ in shared], [d for _, d in shared], color="C3", linewidth=1.2)
         axes[2].set_ylabel("loss A - B")
+    if preference:
+        _plot_preference(axes[-1], c, names)
     axes[-1].set_xlabel("optimizer step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     fig.tight_layout()
     return fig
+
+
+def _plot_preference(ax, c: Comparison, names: dict) -> None:
+    """Reward margin (left axis) and preference accuracy (right axis) of both runs, per step."""
+    accuracy = ax.twinx()
+    for index, (run_id, style) in enumerate(((c.a, "-"), (c.b, "--"))):
+        series = c.preference.get(run_id, {})
+        for name, axis, shade in (("reward_margin", ax, f"C{index}"), ("reward_accuracy", accuracy, f"C{index + 2}")):
+            points = series.get(name) or []
+            if points:
+                axis.plot([s for s, _ in points], [v for _, v in points], style, color=shade, linewidth=1.1,
+                          label=f"{names[index][:1]} {name.replace('_', ' ')}")
+    ax.set_ylabel("reward margin")
+    accuracy.set_ylabel("preference accuracy")
+    accuracy.set_ylim(-0.05, 1.05)
+    lines = ax.get_legend_handles_labels()[0] + accuracy.get_legend_handles_labels()[0]
+    if lines:
+        ax.legend(lines, [line.get_label() for line in lines], fontsize=7, loc="lower right")

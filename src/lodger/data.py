@@ -57,8 +57,10 @@ def _check_row(row: object) -> str | None:
     return None
 
 
-def read_jsonl(path: Path) -> DataFile:
-    """Read and validate every line; raise one DataError listing the first bad lines."""
+def read_jsonl(path: Path, check=None) -> DataFile:
+    """Read and validate every line (``check(row)``: why a row is not an example, or None; default
+    the SFT shapes); raise one DataError listing the first bad lines."""
+    check = check or _check_row
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -81,7 +83,7 @@ def read_jsonl(path: Path) -> DataFile:
         except json.JSONDecodeError as exc:
             problems.append(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})")
             continue
-        reason = _check_row(row)
+        reason = check(row)
         if reason:
             problems.append(f"{path}:{number}: {reason}")
         else:

@@ -162,13 +162,14 @@ def _die_with_parent() -> None:
 
 
 def reduce_step(params, loss_sum, flags: list[float]):
-    """Sum gradients, the step's loss and rank 0's flags over ranks in one all-reduce; return (loss, flags)."""
+    """Sum gradients, the step's loss (a scalar, or the loss and metric sums) and rank 0's flags over
+    ranks in one all-reduce; return (loss, flags)."""
     import torch
     import torch.distributed as dist
 
     grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
-    extra = torch.tensor([0.0] + flags, dtype=torch.float32, device=loss_sum.device)
-    extra[0] = loss_sum.float()
+    values = loss_sum.reshape(-1).float()  # the loss, then a preference objective's metric sums
+    extra = torch.cat([values, torch.tensor(flags, dtype=torch.float32, device=loss_sum.device)])
     buffer = torch.cat([g.reshape(-1).float() for g in grads] + [extra])
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
     offset = 0
@@ -177,7 +178,9 @@ def reduce_step(params, loss_sum, flags: list[float]):
         q.grad = buffer[offset:offset + n].view_as(g).to(g.dtype).clone()
         offset += n
     tail = buffer[offset:].tolist()  # .tolist() syncs with the device: once per step
-    return torch.tensor(tail[0], dtype=loss_sum.dtype, device=loss_sum.device), tail[1:]
+    k = values.numel()
+    summed = torch.tensor(tail[:k], dtype=loss_sum.dtype, device=loss_sum.device).reshape(loss_sum.shape)
+    return summed, tail[k:]
 
 
 def gather_rng(state: dict) -> list[dict] | None:

@@ -230,7 +230,8 @@ def _check_fit(plan: Plan) -> list[str]:
     rate = target.tflops * 1e12 if target.tflops else None
     runtime = None if device == "cuda" else memory.runtime_bytes(threads=threads, use_current=False)
     est = memory.estimate(job, model_config, seq_len=seq, device=device, runtime_bytes=runtime,
-                          flops_per_second=rate, total_steps=prepared.total_steps)
+                          flops_per_second=rate, total_steps=prepared.total_steps,
+                          examples=memory.reference_examples(prepared))
     world, nodes = job.training.world_size, job.remote.nodes or 1
     if target.memory_gb_per_node is None:
         per_process = None

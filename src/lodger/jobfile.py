@@ -120,17 +120,20 @@ _COMMENTED_EXAMPLES: dict[str, Any] = {
     "epochs": 1.0, "every_seconds": 600.0, "eval": "eval.jsonl", "max_foreign_memory": 0.8,
     "max_foreign_gpu_memory": 0.5, "allowed_hours": "22:00-07:00", "memory_gb": 8.0,
     "gpu_memory_fraction": 0.8, "max_compute_hours": 10.0, "eval_every": 50, "threads": 2, "steps": 100,
-    "revision": "main", "init_adapter": "path/to/adapter", "pack_tokens": 2048}
+    "revision": "main", "init_adapter": "path/to/adapter", "pack_tokens": 2048, "beta": 0.1,
+    "desirable_weight": 1.0, "undesirable_weight": 1.0}
 
 
 REMOTE_EXAMPLE = {"wall_hours": 4.0, "gpu_hours": 4.0, "cost": 10.0, "nodes": 1}
 
 
-def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl", remote: bool = False) -> str:
+def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl", remote: bool = False,
+                objective: str = "sft") -> str:
     """A commented job file, generated from the field docstrings so it never drifts from the code.
 
     With ``remote`` it ends with a [remote] section whose keys are commented out: a local run
-    ignores them; `lodger submit` needs every one."""
+    ignores them; `lodger submit` needs every one. ``objective``: a preference objective's job
+    (its keys set, a learning rate and length for pairs)."""
     values: dict[str, dict[str, Any]] = {
         "model": {"source": "smollm2-135m-instruct"},
         "method": {"kind": "lora", "rank": 8, "alpha": 16.0, "dropout": 0.0,
@@ -144,6 +147,11 @@ def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl", re
         "policy": {},
         "limits": {},
     }
+    if objective != "sft":
+        from .config.model import PREFERENCE_DEFAULTS
+
+        values["method"].update(objective=objective, **PREFERENCE_DEFAULTS[objective])
+        values["training"].update(steps=40, batch_size=4, learning_rate=5e-4, eval_every=10)
     sections = {"model": ModelConfig, "method": MethodConfig, "data": DataConfig,
                 "training": TrainingConfig, "checkpoints": CheckpointConfig, "guard": GuardConfig,
                 "policy": PolicyConfig,

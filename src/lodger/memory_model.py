@@ -188,8 +188,12 @@ def step_flops(job: "JobConfig", model_config: dict, *, seq_len: float | None = 
     recomputation included) when each micro-batch is ``batch_size`` rows of ``seq_len`` positions
     (the padded width, or a packed row's length)."""
     shape = model_shape(model_config)
-    cfg = job.training
+    cfg, method = job.training, job.method
     seq = float(seq_len or job.data.max_length)
-    model, recompute = token_flops(shape, job.method, seq)
+    model, recompute = token_flops(shape, method, seq)
     per_token = model + (recompute if cfg.gradient_checkpointing else 0.0)
-    return cfg.grad_accum * cfg.batch_size * seq * per_token
+    objective = getattr(method, "objective", "sft")
+    rows = cfg.batch_size * (2 if objective in ("dpo", "orpo") else 1)  # a pair is two sequences
+    if objective == "kto":  # the KL sequences' forward pass, without gradients: a third (full) or half (LoRA)
+        per_token += model / (3 if method.kind == "full" else 2)
+    return cfg.grad_accum * rows * seq * per_token

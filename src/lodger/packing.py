@@ -166,13 +166,7 @@ class PaddedPlanner:
         return epoch_steps(examples, len(self.sampler), self.per_step)
 
     def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
-        from .data import collate
-
-        tensors = collate(dataset, [row[0] for row in pack], pad_id)
-        mask = tensors["attention_mask"]
-        labels = tensors["labels"]
-        tokens = int(mask.sum())
-        return PackedBatch(tensors, int((labels[:, 1:] != -100).sum()), tokens, mask.numel(), tokens * mask.shape[1])
+        return padded_batch(dataset, [row[0] for row in pack], pad_id)
 
 
 class Packer(PaddedPlanner):
@@ -195,7 +189,22 @@ class Packer(PaddedPlanner):
 
     def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
         """One micro-batch of the plan, ready for the model (no attention mask, position ids)."""
+        if getattr(dataset, "preference", False):
+            return dataset.collate(pack, pad_id, packed=True, explicit_mask=self.explicit_mask, segments=self.segments)
         return collate_packed(dataset, pack, pad_id, explicit_mask=self.explicit_mask, segments=self.segments)
+
+
+def padded_batch(dataset, indices: Sequence[int], pad_id: int) -> "PackedBatch":
+    """These examples right-padded, one a row (a preference example: one sequence a row, preference.py)."""
+    from .data import collate
+
+    if getattr(dataset, "preference", False):
+        return dataset.collate([(i,) for i in indices], pad_id, packed=False)
+    tensors = collate(dataset, list(indices), pad_id)
+    mask = tensors["attention_mask"]
+    labels = tensors["labels"]
+    tokens = int(mask.sum())
+    return PackedBatch(tensors, int((labels[:, 1:] != -100).sum()), tokens, mask.numel(), tokens * mask.shape[1])
 
 
 def padding_share(planner: PaddedPlanner, lengths: Sequence[int], limit: int = 4096) -> float:
@@ -225,6 +234,7 @@ class PackedBatch:
     positions: int      # computed positions (rows x width): 1 - tokens/positions is padding
     attended: int = 0   # over real tokens, the keys each one's attention kernel computes (its row's
                         # width; its example's length when attention runs per example): MFU's count
+    sequences: int = 0  # sequences whose log-probabilities the batch sums (preference batches)
 
 
 def collate_packed(dataset: "TokenizedSet", pack: Sequence[Sequence[int]], pad_id: int, *,
@@ -261,6 +271,47 @@ def collate_packed(dataset: "TokenizedSet", pack: Sequence[Sequence[int]], pad_i
     if explicit_mask:
         tensors["attention_mask"] = block_causal_mask(position_ids, mask_dtype or torch.float32)
     return PackedBatch(tensors, int((labels != -100).sum()), tokens, len(pack) * width, attended)
+
+
+def lay_out(rows: Sequence[Sequence[tuple[tuple["torch.Tensor", "torch.Tensor"], int]]], pad_id: int, *,
+            packed: bool, explicit_mask: bool = False, segments: bool = False) -> PackedBatch:
+    """Rows of sequences, each ``((ids, loss mask), number)``, right-padded to the widest row: the
+    collate conventions above (labels unshifted, -100 where no loss and on each sequence's first
+    token), plus ``sequence``, each labelled position's sequence number (-1 elsewhere). Padded
+    (``packed`` false: one sequence a row) rows get an ``attention_mask``; packed rows position ids
+    restarting per sequence, as ``collate_packed`` lays examples out."""
+    import torch
+
+    width = max(sum(len(ids) for (ids, _), _ in row) for row in rows)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    labels = torch.full(shape, -100, dtype=torch.long)
+    sequence = torch.full(shape, -1, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    tokens = attended = 0
+    for r, row in enumerate(rows):
+        at = 0
+        for (ids, mask), number in row:
+            n = len(ids)
+            attended += n * n if segments and packed else n * width
+            input_ids[r, at:at + n] = ids
+            position_ids[r, at:at + n] = torch.arange(n)
+            labelled = mask.bool()
+            labels[r, at:at + n] = torch.where(labelled, ids, torch.tensor(-100))
+            labels[r, at] = -100  # nothing inside this sequence predicts its first token
+            sequence[r, at:at + n] = torch.where(labels[r, at:at + n] != -100, number, -1)
+            at += n
+        position_ids[r, at:] = torch.arange(width - at)
+        tokens += at
+    tensors = {"input_ids": input_ids, "labels": labels, "sequence": sequence}
+    if packed:
+        tensors["position_ids"] = position_ids
+        if explicit_mask:
+            tensors["attention_mask"] = block_causal_mask(position_ids, torch.float32)
+    else:
+        tensors["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(
+            [sum(len(ids) for (ids, _), _ in row) for row in rows])[:, None]).long()
+    return PackedBatch(tensors, int((labels != -100).sum()), tokens, len(rows) * width, attended)
 
 
 def block_causal_mask(position_ids: "torch.Tensor", dtype) -> "torch.Tensor":

@@ -12,6 +12,7 @@ import os
 import secrets
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from .tomlfile import to_toml
 from .jobfile import load_job
 from .control import Control, clear_request
 from .data import make_sampler, read_jsonl, split_indices, tokenize
+from .preference import row_checker, tokenize_preference
 from .distributed import Ranks
 from .errors import LimitReached, PreflightError, RunStateError
 from .home import run_dir
@@ -47,16 +49,21 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     from .train.determinism import pick_device
     from .train.state import Prepared
 
-    train_file = read_jsonl(job.data.train)
-    eval_file = read_jsonl(job.data.eval) if job.data.eval is not None else None
+    objective = job.method.objective
+    check, encode = None, tokenize
+    if objective != "sft":  # preference lines (preference.py): their own shape and tokenisation
+        check = row_checker(objective)
+        encode = partial(tokenize_preference, objective=objective, kl_block=job.training.batch_size)
+    train_file = read_jsonl(job.data.train, check)
+    eval_file = read_jsonl(job.data.eval, check) if job.data.eval is not None else None
     source = resolve_source(job.model.source)
     folder = model_folder(source)
     tokenizer = load_tokenizer(folder)
     tok_sha = tokenizer_hash(folder)
     check_target_modules(folder, job.method)
-    train_set = tokenize(train_file, tokenizer, tok_sha, job.data.max_length)
+    train_set = encode(train_file, tokenizer, tok_sha, job.data.max_length)
     if eval_file is not None:
-        eval_set = tokenize(eval_file, tokenizer, tok_sha, job.data.max_length)
+        eval_set = encode(eval_file, tokenizer, tok_sha, job.data.max_length)
         train_indices, eval_indices = list(range(len(train_set))), list(range(len(eval_set)))
     else:
         train_indices, eval_indices = split_indices(len(train_set), job.data.eval_fraction, job.training.seed)
@@ -67,7 +74,9 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     lengths = example_lengths(train_set)
     sampler = make_sampler(job.training, train_indices, lengths)  # [training] order
     device = device or pick_device(job)
-    planner = make_planner(job.training, job.data.max_length, sampler, lengths, job.training.packing, device)
+    # A packed row must hold a whole example: a pair is two sequences of up to max_length each.
+    longest = job.data.max_length * getattr(train_set, "per_example", 1)
+    planner = make_planner(job.training, longest, sampler, lengths, job.training.packing, device)
     steps = job.training.steps or planner.steps_for(job.training.epochs * len(train_indices))
     return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
                     train_indices, eval_indices, steps, device, planner)
@@ -75,7 +84,7 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
 
 def preflight(prepared: Prepared, force: bool = False) -> dict:
     """Estimate peak memory; refuse (before anything is written) a job that will not fit."""
-    from .memory import estimate, memory_available, runtime_bytes, suggestions
+    from .memory import estimate, memory_available, reference_examples, runtime_bytes, suggestions
 
     job = prepared.job
     config = json.loads((prepared.folder / "config.json").read_text())
@@ -84,7 +93,7 @@ def preflight(prepared: Prepared, force: bool = False) -> dict:
         longest = prepared.planner.row_tokens
     runtime = None if prepared.device == "cuda" else runtime_bytes(threads=job.training.threads, use_current=False)
     est = estimate(job, config, seq_len=min(longest, job.data.max_length), device=prepared.device,
-                   runtime_bytes=runtime)
+                   runtime_bytes=runtime, examples=reference_examples(prepared))
     # Data-parallel ranks on the CPU share this machine's memory; on GPUs each has its own device.
     ranks = 1 if prepared.device == "cuda" else job.training.world_size
     if prepared.device == "cuda":
@@ -188,6 +197,7 @@ def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, rank
         ckpt = session.checkpointer.agreed()  # in step with rank 0's _resume_state
         if ckpt is not None:
             session.checkpointer.restore(ckpt)
+    session.ready_reference(lambda text: None)
     status = train(session.state, **session.collaborators())
     if status == "paused":  # as rank 0 does: give the memory back now
         sys.stdout.flush()
@@ -266,6 +276,7 @@ def _start_segment(session: Session, ledger: Ledger, *, resuming: bool) -> None:
     session.store.prune()  # a crash between a commit and its prune leaves one too many
     run = ledger.run(run_id)
     lost_after = _resume_state(session) if resuming else 0
+    session.ready_reference(reporter.message)
     progress.segment = run["segment"] + 1 if resuming else 0
     ledger.add_provenance(run_id, progress.segment, session.provenance())
     _write_provenance_json(session.dir, ledger.provenance(run_id))

@@ -30,7 +30,7 @@ from typing import Callable
 
 import pytest
 
-from fixtures_lib import write_chat_jsonl
+from fixtures_lib import make_preference_records, write_chat_jsonl
 from helpers import checkpoint_dirs, describe, killed_by_sigkill, lodger_env, run_lodger, wait_until, write_job
 
 LEDGER_TABLES = ("runs", "events", "datasets", "queue", "metrics", "provenance")
@@ -371,6 +371,69 @@ def dataset_that_may_not_train(w):
     result = run_lodger(["data", "revoke", "corpus", "--train"], w.env)
     assert result.returncode == 0, describe(result)
     return ["run", w.job(train="dataset:corpus")], ["dataset:corpus", "may not train models", "lodger data grant corpus --train"]
+
+
+# -- preference data and objectives -------------------------------------------------------------
+
+def _preference_job(w, objective: str, lines: list[dict], **overrides):
+    """A job of ``objective`` on two good preference lines then ``lines``."""
+    good = make_preference_records(2, 0, objective)
+    path = w.tmp / f"{objective}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in good + lines))
+    extra = {"method": {"objective": objective}, **overrides.pop("extra", {})}
+    return w.job(train=path, eval=None, eval_fraction=0.0, extra=extra, **overrides), path
+
+
+@case
+def preference_line_missing_rejected(w):
+    job, data = _preference_job(w, "dpo", [{"prompt": "Hi?", "chosen": "Hello."}])
+    return ["run", job], [f"{data}:3", 'missing "rejected"', '"prompt", "chosen", "rejected"']
+
+
+@case
+def preference_chosen_equals_rejected(w):
+    job, data = _preference_job(w, "dpo", [{"prompt": "Hi?", "chosen": "Hello.", "rejected": "Hello."}])
+    return ["run", job], [f"{data}:3", '"chosen" and "rejected" are the same']
+
+
+@case
+def preference_mixed_shapes(w):
+    job, data = _preference_job(w, "orpo", [{"prompt": "Hi?", "chosen": [{"role": "assistant", "content": "a"}],
+                                             "rejected": "b"}])
+    return ["run", job], [f"{data}:3", "mixed shapes", "all be strings or all be message lists"]
+
+
+@case
+def preference_kto_label_not_a_boolean(w):
+    job, data = _preference_job(w, "kto", [{"prompt": "Hi?", "completion": "Hello.", "label": 1}])
+    return ["run", job], [f"{data}:3", '"label" is 1', "true", "false"]
+
+
+@case
+def preference_sft_lines_for_dpo(w):
+    job = w.job(eval=None, eval_fraction=0.0, extra={"method": {"objective": "dpo"}})
+    return ["run", job], [f"{w.train}:1", "a supervised line", '"prompt", "chosen", "rejected"']
+
+
+@case
+def preference_prompt_longer_than_max_length(w):
+    long = [{"role": "user", "content": "count " * 200}]
+    job, data = _preference_job(w, "dpo", [{"prompt": long, "chosen": [{"role": "assistant", "content": "a"}],
+                                            "rejected": [{"role": "assistant", "content": "b"}]}])
+    return ["run", job], [str(data), "1 of 3 line(s) have a prompt of at least [data] max_length = 64",
+                          "lines 3", "raise max_length"]
+
+
+@case
+def preference_beta_with_sft(w):
+    job = w.job(extra={"method": {"beta": 0.5}})
+    return ["run", job], [str(job), "beta = 0.5 does nothing with objective = 'sft'", "remove it"]
+
+
+@case
+def preference_with_federated_rounds(w):
+    job, _ = _preference_job(w, "dpo", [], extra={"federated": {"rounds": 2}})
+    return ["run", job], [str(job), '[federated] with [method] objective = "dpo"', 'objective = "sft"']
 
 
 # -- model sources -------------------------------------------------------------------------------

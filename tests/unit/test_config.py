@@ -265,7 +265,10 @@ def test_the_example_job_parses_back_into_a_valid_job(job_dir: Path) -> None:
 def test_the_commented_out_example_values_are_valid_too(job_dir: Path) -> None:
     text = example_job("data/train.jsonl", "data/eval.jsonl")
     commented = re.compile(r"^# (\w+) = ")
-    uncommented = "\n".join(line[2:] if commented.match(line) and not line.startswith(("# epochs", "# init_adapter")) else line
+    # epochs and init_adapter exclude keys the example sets; beta and the KTO weights belong to
+    # preference objectives (refused with the example's objective = "sft": a test below)
+    alone = ("# epochs", "# init_adapter", "# beta", "# desirable_weight", "# undesirable_weight")
+    uncommented = "\n".join(line[2:] if commented.match(line) and not line.startswith(alone) else line
                             for line in text.splitlines())
     assert uncommented != text
     job = parse_job(tomllib.loads(uncommented), "example", job_dir)
@@ -336,3 +339,32 @@ def test_every_seconds_is_auto_by_default_a_number_or_zero_and_nothing_else(job_
         found = problems(info.value)
         assert len(found) == 1 and found[0].startswith(f"[checkpoints] every_seconds = "), found
         assert '"auto"' in found[0] and "a number of seconds" in found[0] and "0 for no time-based" in found[0]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
+def test_a_preference_example_job_sets_its_objective_and_defaults(job_dir: Path, objective: str) -> None:
+    job = parse_job(tomllib.loads(example_job("data/train.jsonl", "data/eval.jsonl", objective=objective)),
+                    "example", job_dir)
+    assert job.method.objective == objective and job.method.beta == 0.1
+    assert (job.method.desirable_weight, job.method.undesirable_weight) == ((1.0, 1.0) if objective == "kto"
+                                                                            else (None, None))
+
+
+@pytest.mark.parametrize("method, wrong", [
+    ('beta = 0.2', "beta = 0.2 does nothing with objective = 'sft'"),
+    ('objective = "dpo"\ndesirable_weight = 2.0', "desirable_weight = 2.0 does nothing with objective = 'dpo'"),
+    ('objective = "orpo"\nbeta = 0', "[method] beta = 0"),
+    ('objective = "simpo"', "[method] objective = 'simpo'"),
+])
+def test_preference_keys_that_cannot_work_together_are_refused_by_name(job_dir: Path, method: str, wrong: str):
+    path = write_job(job_dir, f'[method]\n{method}\n[data]\ntrain = "data/train.jsonl"\n[training]\nsteps = 2\n')
+    with pytest.raises(JobFileError) as caught:
+        load_job(path)
+    assert wrong in str(caught.value), str(caught.value)
+
+
+def test_federated_rounds_refuse_a_preference_objective(job_dir: Path) -> None:
+    path = write_job(job_dir, '[method]\nobjective = "dpo"\n[data]\ntrain = "data/train.jsonl"\n'
+                              '[training]\nsteps = 2\n[federated]\nrounds = 2\n')
+    with pytest.raises(JobFileError, match=r"\[federated\] with \[method\] objective = \"dpo\""):
+        load_job(path)

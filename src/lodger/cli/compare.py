@@ -43,6 +43,11 @@ def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
     for run_id, evals in c.evals.items():
         if evals:
             click.echo(f"eval {run_id}: " + ", ".join(f"{s}:{v:.4f}" for s, v in evals))
+    if any(c.preference.values()):
+        names = sorted({n for series in c.preference.values() for n in series})
+        click.echo("preference metrics (" + ", ".join(names) + "): "
+                   + ("differ in " + ", ".join(c.preference_differences) if c.preference_differences
+                      else "bitwise equal at every shared step"))
     if c.weights_equal is not None:
         click.echo("final trainable weights: " + ("bitwise equal" if c.weights_equal else
                                                    f"largest absolute difference {c.max_weight_diff}"))

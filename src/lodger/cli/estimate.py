@@ -16,6 +16,7 @@ _NOTES = {
     "gradients": "{trainable} trainable parameters, fp32",
     "optimizer": "AdamW: two fp32 moments per trainable parameter",
     "activations": "{checkpointing}batch {batch} x {seq} tokens",
+    "reference": "the reference's log-probabilities of every example (two fp32 each)",
     "logits_and_loss": "logits, their log-softmax and gradient over {vocab} tokens",
     "checkpoint": "extra memory while a checkpoint is written (streamed from the tensors: none)",
     "buffers": "tokenizer, attention mask, kernels' scratch",
@@ -115,6 +116,7 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     # On a GPU the estimate is of GPU memory (no CPU process runtime in it), against free GPU memory.
     est = memory.estimate(cfg, model_config, seq_len=seq, flops_per_second=rate, mean_width=width,
                           total_steps=prepared.total_steps, device=prepared.device,
+                          examples=memory.reference_examples(prepared),
                           runtime_bytes=None if gpu else memory.runtime_bytes(threads=threads, use_current=False))
     available = _free_gpu_memory() if gpu else memory.memory_available()
     limit = int(cfg.limits.memory_gb * GiB) if cfg.limits.memory_gb else None
@@ -149,7 +151,8 @@ def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fi
     console = Console(highlight=False)
     shape = memory.model_shape(model_config)
     values = {"total": _count(est.total_params), "trainable": _count(est.trainable_params),
-              "batch": est.batch_size, "seq": est.seq_len, "vocab": f"{shape.vocab:,}",
+              "batch": est.batch_size if memory.sequences_per_example(cfg.method) == 1 else
+              f"{est.batch_size} pairs ({2 * est.batch_size} sequences)", "seq": est.seq_len, "vocab": f"{shape.vocab:,}",
               "precision": cfg.training.precision,
               "checkpointing": "checkpointed, " if cfg.training.gradient_checkpointing else ""}
     table = Table(title=f"{path}: peak memory on {est.device} ({cfg.method.kind}, {cfg.training.precision})",

@@ -155,6 +155,10 @@ def show(run_id: str, as_json: bool) -> None:
         step, loss = (now["eval_step"], now["eval_loss"]) if now["eval_step"] is not None else \
             (info["last_eval"]["step"], info["last_eval"]["eval_loss"])
         click.echo(f"last eval step {step}: eval_loss {loss_text(loss)}")
+    for label, record, prefix in (("preference", info["last_train"], ""), ("  at eval", info["last_eval"], "eval_")):
+        text = preference_text(record, prefix)
+        if text:
+            click.echo(f"{label}  step {record['step']}: {text}")
     if provenance:
         p = provenance[-1]
         code = p.get("code", {})
@@ -184,6 +188,24 @@ def show(run_id: str, as_json: bool) -> None:
         data = ", ".join(f"{k}={_human(v)}" for k, v in e["data"].items()
                          if k not in ("compute", "memory_estimate", "measured"))
         click.echo(f"  {_when(e['time'])}  {e['kind']:<18} {data}")
+
+
+def preference_text(record: dict | None, prefix: str = "") -> str:
+    """A preference run's metric line in words (objective.py's fields), '' for SFT."""
+    if not record or f"{prefix}reward_accuracy" not in record:
+        return ""
+    get = lambda key: record.get(prefix + key)  # noqa: E731
+    parts = []
+    if get("reward_margin") is not None:
+        parts.append(f"reward margin {get('reward_margin'):+.4f}")
+    parts.append(f"accuracy {get('reward_accuracy'):.0%}")
+    if get("rewards_chosen") is not None or get("rewards_rejected") is not None:
+        shown = lambda v: "-" if v is None else f"{v:+.4f}"  # noqa: E731
+        parts.append(f"rewards chosen {shown(get('rewards_chosen'))} / rejected {shown(get('rewards_rejected'))}")
+    for key, name in (("kl", "KL"), ("nll", "NLL"), ("log_odds_ratio", "log odds ratio")):
+        if get(key) is not None:
+            parts.append(f"{name} {get(key):.4f}")
+    return ", ".join(parts)
 
 
 @click.command()

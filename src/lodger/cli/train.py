@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import json
 import time
 from pathlib import Path
 
@@ -16,32 +16,50 @@ from .crash import log_to_run
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite FILE if it exists.")
 @click.option("--remote", is_flag=True, help="Add a commented [remote] section (the limits `lodger submit` needs).")
-def init(file: Path, force: bool, remote: bool) -> None:
+@click.option("--objective", type=click.Choice(["sft", "dpo", "orpo", "kto"]), default="sft", show_default=True,
+              help="What the job learns from: supervised chats, or preference pairs (dpo, orpo) or labelled "
+                   "completions (kto); docs/preference.md.")
+def init(file: Path, force: bool, remote: bool, objective: str) -> None:
     """Write a commented job file that runs as written.
 
-    Beside it go train.jsonl and eval.jsonl (the bundled demo data) unless files of those names
-    are already there. Edit the file, then train with `lodger run FILE`.
+    Beside it go the bundled demo data (train.jsonl and eval.jsonl; with --objective, preference
+    pairs or, for kto, the pairs as good and bad completions) unless files of those names are
+    already there. Edit the file, then train with `lodger run FILE`.
 
     \b
     Example: lodger init my-job.toml
              lodger init my-job.toml --remote
+             lodger init dpo-job.toml --objective dpo
     """
-    from importlib import resources
-
     from ..jobfile import example_job
 
     if file.exists() and not force:
         raise JobFileError(f"{file} already exists; pick another name or pass --force to overwrite it")
     folder = file.parent
     folder.mkdir(parents=True, exist_ok=True)
-    demo = resources.files("lodger") / "demo"
-    for name in ("train.jsonl", "eval.jsonl"):
-        if not (folder / name).exists():
-            with resources.as_file(demo / name) as src:
-                shutil.copyfile(src, folder / name)
-    file.write_text(example_job("train.jsonl", "eval.jsonl", remote=remote))
-    click.echo(f"wrote {file} (data: {folder / 'train.jsonl'}, {folder / 'eval.jsonl'})")
+    names = _demo_data(folder, objective)
+    file.write_text(example_job(*names, remote=remote, objective=objective))
+    click.echo(f"wrote {file} (data: {folder / names[0]}, {folder / names[1]})")
     click.echo(f"next: lodger run {file}")
+
+
+def _demo_data(folder: Path, objective: str) -> tuple[str, str]:
+    """Copy the bundled data for ``objective`` beside the job (never over a file of the same name)."""
+    from importlib import resources
+
+    demo = resources.files("lodger") / "demo"
+    sources = {"sft": ("train.jsonl", "eval.jsonl")}.get(objective, ("preference.jsonl", "preference_eval.jsonl"))
+    names = sources if objective != "kto" else ("kto.jsonl", "kto_eval.jsonl")
+    for source, name in zip(sources, names):
+        if (folder / name).exists():
+            continue
+        text = (demo / source).read_text(encoding="utf-8")
+        if objective == "kto":  # each pair as two labelled lines (TRL's unpair_preference_dataset)
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            text = "".join(json.dumps({"prompt": r["prompt"], "completion": r[key], "label": key == "chosen"}) + "\n"
+                           for r in rows for key in ("chosen", "rejected"))
+        (folder / name).write_text(text, encoding="utf-8")
+    return names
 
 
 @click.command()

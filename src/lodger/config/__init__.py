@@ -57,6 +57,11 @@ class JobConfig(Section):
             raise ValueError("[federated] needs [method] kind = \"lora\": federated rounds send the trained "
                              "weights every round, and full weights are the whole model (too large to move "
                              "each round, and they reveal more of the data); use kind = \"lora\"")
+        if self.federated is not None and self.method.objective != "sft":
+            raise ValueError(f"[federated] with [method] objective = \"{self.method.objective}\": federated rounds "
+                             "train supervised (sft) only, since each client's reference log-probabilities would "
+                             "have to follow the global adapter of every round; remove [federated] or use "
+                             "objective = \"sft\"")
         return self
 
     def resolved_dict(self) -> dict[str, Any]:

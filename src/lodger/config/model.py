@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import Float, Int, Section
+
+# What a preference objective's keys default to when left out (TRL's defaults, so runs compare).
+PREFERENCE_DEFAULTS: dict[str, dict[str, float]] = {
+    "dpo": {"beta": 0.1}, "orpo": {"beta": 0.1},
+    "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0}}
+
 
 class ModelConfig(Section):
     source: str = Field("smollm2-135m-instruct", min_length=1)
@@ -29,15 +35,49 @@ class MethodConfig(Section):
     """Dropout on the LoRA input during training (0 disables it)."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
     """Names of the linear layers that get an adapter, e.g. ["q_proj", "k_proj", "v_proj", "o_proj"]."""
+    objective: Literal["sft", "dpo", "orpo", "kto"] = "sft"
+    """What the run learns from (docs/preference.md): `sft`, supervised fine-tuning on chats or text
+    (loss on the assistant's tokens); `dpo`, Direct Preference Optimization on {"prompt", "chosen",
+    "rejected"} pairs against the model as it is at step 0 (the reference); `orpo`, odds-ratio
+    preference optimisation on the same pairs, without a reference (the chosen answer's loss plus
+    beta x the odds-ratio term); `kto`, Kahneman-Tversky Optimization on {"prompt", "completion",
+    "label"} lines labelled good (true) or bad (false)."""
+    beta: Float | None = Field(None, gt=0)
+    """Preference objectives only: DPO/KTO's beta (how far the model may move from the reference;
+    smaller moves further), ORPO's weight of the odds-ratio term (its lambda). Default 0.1."""
+    desirable_weight: Float | None = Field(None, gt=0)
+    """KTO only: weight of the loss on lines labelled true (default 1.0). With unequal numbers of
+    good and bad lines, weight the rarer kind up (the KTO paper's guidance: desirable x good lines
+    about equal to undesirable x bad lines, within 1 to 1.33 times)."""
+    undesirable_weight: Float | None = Field(None, gt=0)
+    """KTO only: weight of the loss on lines labelled false (default 1.0)."""
     init_adapter: Path | None = None
     """Continue training this existing peft adapter folder (adapter_config.json +
     adapter_model.safetensors) instead of a fresh one; rank, alpha and target_modules are read from
     it (left out here, or equal)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _objective_keys(cls, raw: Any) -> Any:
+        """Fill a preference objective's defaults; refuse keys its objective does not use."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("objective", "sft"), str):
+            return raw
+        objective = raw.get("objective", "sft")
+        defaults = PREFERENCE_DEFAULTS.get(objective, {})
+        unused = [key for keys in PREFERENCE_DEFAULTS.values() for key in keys
+                  if key in raw and raw[key] is not None and key not in defaults]
+        if unused:
+            users = sorted(o for o, keys in PREFERENCE_DEFAULTS.items() if unused[0] in keys)
+            raise ValueError(f"{unused[0]} = {raw[unused[0]]!r} does nothing with objective = {objective!r} (it is "
+                             f"a key of {' and '.join(users)}): remove it, or set objective to one of those")
+        return {**defaults, **{k: v for k, v in raw.items() if v is not None or k not in defaults}}
+
 
 class DataConfig(Section):
     train: Path
-    """Training data: JSONL, one `{"messages": [...]}` chat or `{"text": ...}` per line; a path
+    """Training data: JSONL, one `{"messages": [...]}` chat or `{"text": ...}` per line (for
+    [method] objective = "dpo"/"orpo": `{"prompt", "chosen", "rejected"}`; "kto": `{"prompt",
+    "completion", "label"}`; strings, or message lists rendered with the chat template); a path
     (relative paths are taken from the job file's folder) or `dataset:NAME`, a dataset registered
     with `lodger data add`."""
     eval: Path | None = None

@@ -273,3 +273,39 @@ class RunFacts:
     def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
         return (state_key_problems(entries, "numerics") + state_key_problems(entries, "model_sha256")
                 + state_key_problems(entries, "data", ("train_sha256", "eval_sha256")))
+
+
+class Reference:
+    """DPO's and KTO's reference log-probabilities (train/reference.py), a table per data set, so a
+    resume uses the numbers the run began with: ``reference.safetensors``."""
+
+    NAME = "reference.safetensors"
+
+    def __init__(self, train_set, eval_set):
+        self.sets = {"train": train_set, **({"eval": eval_set} if eval_set is not None and eval_set is not train_set
+                                            else {})}
+
+    def state_dict(self) -> dict[str, Any]:
+        from safetensors.torch import save as save_tensors
+
+        return {self.NAME: save_tensors({role: s.reference for role, s in self.sets.items()})}
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        from safetensors.torch import load as load_tensors
+
+        tables = load_tensors(entries[self.NAME])
+        for role, dataset in self.sets.items():
+            dataset.reference = tables[role]
+
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        found = file_problems(entries, self.NAME)
+        if found:
+            return found
+        from safetensors.torch import load as load_tensors
+
+        tables = load_tensors(getattr(entries, "files", entries)[self.NAME])
+        for role, dataset in self.sets.items():
+            shape = tuple(tables[role].shape) if role in tables else None
+            if shape != (len(dataset), 2):
+                found.append(f"{self.NAME}: `{role}` has shape {shape}, the {role} set {(len(dataset), 2)}")
+        return found

@@ -22,11 +22,11 @@ import torch
 
 from .. import faults
 from ..control import ReleaseRequested
-from ..data import collate
+from ..packing import padded_batch
 from ..rng import capture as capture_rng
 from ..rng import restore as restore_rng
 from .optim import lr_at
-from .step import install_yield_points, micro_step, optimizer_step, token_loss_sum  # noqa: F401 (re-exported)
+from .step import install_yield_points, micro_step, optimizer_step  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from .state import TrainState
@@ -39,8 +39,9 @@ def eval_due(st: "TrainState", step: int) -> bool:
 
 
 @torch.no_grad()
-def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> float | None:
-    """Token-weighted mean loss on the held-out set (None when there is none).
+def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> tuple[float, dict] | None:
+    """The objective's loss on the held-out set with its metrics (None when there is none): SFT's
+    token-weighted mean loss; a preference objective's loss over every held-out example.
 
     The yield points stay live here: a hold waits inside the eval, and a release abandons it
     (``ReleaseRequested`` goes up to ``train``). An eval changes no state and draws no randomness,
@@ -54,19 +55,24 @@ def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> f
     held_before = control.held_seconds
     st.model.eval()
     control.in_step = True  # a release here drops the eval (nothing to undo) instead of waiting for its end
-    total, count = 0.0, 0
+    total: list[float] = []
+    sums = None
     try:
         for start in starts:
-            batch = collate(st.eval_set, st.eval_indices[start:start + size], st.pad_id)
+            batch = padded_batch(st.eval_set, st.eval_indices[start:start + size], st.pad_id)
             with st.precision.autocast():
-                loss, n = token_loss_sum(st.model, {k: v.to(st.device) for k, v in batch.items()})
-            total += loss.item()  # .item() syncs with the device; fine once per eval batch
-            count += n
+                terms, batch_sums = st.objective.terms(st.model, batch, st.device)
+            values = terms.reshape(-1).tolist()  # .tolist() syncs with the device; fine once per eval batch
+            total = values if not total else [a + b for a, b in zip(total, values)]
+            if batch_sums is not None:
+                sums = batch_sums if sums is None else sums + batch_sums
     finally:
         control.in_step = False
         st.model.train()
     recorder.eval_seconds = time.perf_counter() - began - (control.held_seconds - held_before)
-    return total / max(count, 1)
+    weights = st.objective.weights(st.eval_set, st.eval_indices)
+    loss = st.objective.combine(total[0] if len(total) == 1 else total, weights)
+    return float(loss), ({} if sums is None else st.objective.metrics(sums, weights))
 
 
 def train(st: "TrainState", *, checkpointer, recorder, control, sync) -> str:
@@ -81,19 +87,23 @@ def train(st: "TrainState", *, checkpointer, recorder, control, sync) -> str:
         return "paused"
 
 
-def _backward(st: "TrainState", packs, step_tokens: int, control, sync) -> tuple[torch.Tensor, int, int, int]:
+def _backward(st: "TrainState", packs, weights: tuple[int, ...], control, sync):
     """This process's micro-batches of the step, forward and backward: (summed loss of its share,
-    positions computed, of which padding, keys attended (PackedBatch.attended))."""
+    its metric sums or None, positions computed, of which padding, keys attended (PackedBatch.attended))."""
     batches = [st.planner.collate(st.train_set, pack, st.pad_id) for pack in packs]
     loss_sum = torch.zeros((), dtype=torch.float32, device=st.device)
+    sums = None
     rng_at_step_start = capture_rng()  # a few KB copied; lets a release drop this step exactly
     try:
         control.in_step = True  # a release now drops this step
         for pack, batch in zip(packs, batches):
             sync.micro_step()
             lines = [int(st.train_set.lines[i]) for row in pack for i in row] if st.poisoned else []
-            loss_sum += micro_step(st.model, batch.tensors, st.precision, st.device, step_tokens,
-                                   faults.loss_factor(lines, st.poisoned))
+            loss, batch_sums = micro_step(st.objective, st.model, batch, st.precision, st.device, weights,
+                                          faults.loss_factor(lines, st.poisoned))
+            loss_sum += loss
+            if batch_sums is not None:
+                sums = batch_sums if sums is None else sums + batch_sums
     except ReleaseRequested:
         # Forget this step's partial work as if it never began, so the checkpoint (written by
         # train()) equals the state at the step boundary and resuming stays exact.
@@ -102,7 +112,15 @@ def _backward(st: "TrainState", packs, step_tokens: int, control, sync) -> tuple
         raise
     control.in_step = False
     computed = sum(b.positions for b in batches)
-    return loss_sum, computed, computed - sum(b.tokens for b in batches), sum(b.attended for b in batches)
+    return loss_sum, sums, computed, computed - sum(b.tokens for b in batches), sum(b.attended for b in batches)
+
+
+def _finish(sync, params, loss_sum, sums, last_save: float):
+    """The synchroniser's end of the step (several ranks: one all-reduce), the metric sums with the loss."""
+    if sums is None:
+        return sync.finish_step(params, loss_sum, last_save), None
+    both = sync.finish_step(params, torch.cat([loss_sum.reshape(1), sums.to(loss_sum)]), last_save)
+    return both[0], both[1:]
 
 
 def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
@@ -126,9 +144,10 @@ def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
         for group in st.optimizer.param_groups:
             group["lr"] = lr
         step_tokens = st.train_set.target_tokens(plan.indices())  # of the whole step, every rank's examples
-        loss_sum, computed, padded, attended = _backward(st, plan.share(sync.rank, sync.world_size), step_tokens,
-                                               control, sync)
-        loss_sum = sync.finish_step(params, loss_sum, last_save)
+        weights = st.objective.weights(st.train_set, plan.indices())  # the loss's normalisers, likewise
+        loss_sum, sums, computed, padded, attended = _backward(st, plan.share(sync.rank, sync.world_size), weights,
+                                                               control, sync)
+        loss_sum, sums = _finish(sync, params, loss_sum, sums, last_save)
         loss_value, norm_value, finite, overflow = optimizer_step(params, st.optimizer, st.precision, max_norm,
                                                                   loss_sum)
         verdict, zscore = guard.after_step(p.step + 1, p.position, loss_value, finite)
@@ -139,7 +158,8 @@ def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
         rec.step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
                  seconds=time.perf_counter() - started - held, held=held, skipped=not finite or overflow,
                  samples=None if finite else [int(st.train_set.lines[i]) for i in plan.indices()],
-                 computed=computed, padded=padded, attended=attended)
+                 computed=computed, padded=padded, attended=attended,
+                 metrics=None if sums is None else st.objective.metrics(sums, weights))
         if verdict == "spike":
             rec.spike(p.step, loss_value, zscore)
         if verdict == "rollback":

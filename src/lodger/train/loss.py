@@ -93,3 +93,48 @@ class _HeadLoss(torch.autograd.Function):
         return (None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype),
                 None if grad_weight is None else (grad_weight * grad_output).to(ctx.weight_dtype),
                 None, None)
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) of each row of ``hidden`` ([P, hidden]: labelled positions only) under the head
+    ``weight``, the logits a chunk at a time and never whole: what a preference loss sums per
+    sequence. Unlike ``head_loss_sum`` the gradient is not known in the forward pass (it depends on
+    every token of a sequence through the loss), so the backward pass computes each chunk's logits
+    again: the head's matmul once more, against whole logits' memory."""
+    return _HeadLogprobs.apply(hidden, weight, labels)
+
+
+def _chunk_rows(weight: torch.Tensor) -> int:
+    return -(-CHUNK_BYTES // (4 * weight.size(0)))
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels):
+        out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        chunk = _chunk_rows(weight)
+        for start in range(0, hidden.size(0), chunk):
+            logits = F.linear(hidden[start:start + chunk], weight).float()
+            lse[start:start + chunk] = torch.logsumexp(logits, dim=-1)
+            out[start:start + chunk] = logits.gather(1, labels[start:start + chunk, None])[:, 0] - lse[start:start + chunk]
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        chunk = _chunk_rows(weight)
+        for start in range(0, hidden.size(0), chunk):
+            h, y, g = hidden[start:start + chunk], labels[start:start + chunk], grad_out[start:start + chunk]
+            # d log p_y / d logits = one_hot(y) - softmax, scaled by each row's incoming gradient
+            grad_logits = (F.linear(h, weight).float() - lse[start:start + chunk, None]).exp_().mul_(-g[:, None])
+            grad_logits.scatter_(1, y[:, None], grad_logits.gather(1, y[:, None]) + g[:, None])  # no atomics
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.t() @ h.float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None

@@ -51,17 +51,19 @@ class Recorder:
 
     def step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
              skipped: bool, samples: list[int] | None, held: float = 0.0, computed: int = 0,
-             padded: int = 0, attended: int = 0) -> None:
+             padded: int = 0, attended: int = 0, metrics: dict | None = None) -> None:
         """``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart).
         ``tokens`` are the step's target tokens (every rank); ``computed`` the positions this rank
         computed and ``padded`` the padding among them (0: unknown, no padding share or MFU);
-        ``attended`` the keys their attention computed (PackedBatch.attended; 0: the row widths)."""
+        ``attended`` the keys their attention computed (PackedBatch.attended; 0: the row widths);
+        ``metrics`` a preference objective's fields (rewards, margin, accuracy, KL: objective.py)."""
         step = self.progress.step
         self.control.step = step
         if not self.writes:
             return
         record = {"kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                   "tokens": tokens, "seconds": seconds, "time": time.time(), "segment": self.progress.segment}
+        record.update(metrics or {})
         if held:
             record["held_seconds"] = held
         waste = self._waste(tokens, seconds, computed, padded, attended)
@@ -95,11 +97,14 @@ class Recorder:
     def has_eval_at(self, step: int) -> bool:
         return step in self.evals
 
-    def eval(self, step: int, loss: float | None) -> None:
-        if loss is None:
+    def eval(self, step: int, result: tuple[float, dict] | None) -> None:
+        """Record an eval's (loss, metrics) (loop.evaluate); None: there was none."""
+        if result is None:
             return
+        loss, metrics = result
         self.evals[step] = loss
-        self._metrics_append({"kind": "eval", "step": step, "eval_loss": loss, "time": time.time(),
+        self._metrics_append({"kind": "eval", "step": step, "eval_loss": loss,
+                              **{f"eval_{k}": v for k, v in metrics.items()}, "time": time.time(),
                               "segment": self.progress.segment})
         self.reporter.eval_finished(step, loss, self.eval_seconds)
 

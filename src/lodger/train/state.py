@@ -27,11 +27,14 @@ from .checkpointer import Checkpointer
 from .determinism import configure_determinism
 from .holders import Progress
 from .limits import LimitWatch, apply_limits
+from .objective import make_objective
 from .record import Recorder
 from .sync import DataParallelSync, LocalSync
 from .throughput import StepWork
 
 __all__ = ["Prepared", "Progress", "Session", "TrainState"]
+
+REFERENCED = ("dpo", "kto")  # objectives measured against a reference model (ORPO has none)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class TrainState:
     device: str
     total_steps: int
     poisoned: Any = None     # test-only fault injection (faults.py)
+    objective: Any = None    # what a step's loss is (objective.py); None: SFT
 
 
 def make_sync(control, limits, job, ranks: Ranks):
@@ -182,12 +186,29 @@ class Session:
                  "optimizer": holders.Optimizer(self.optimizer), "rng": holders.Rng(self.sync),
                  "progress": self.progress, "evals": holders.Evals(self.recorder),
                  "guard": holders.GuardHolder(self.guard), "scaler": holders.Scaler(self.precision)}
+        if job.method.objective in REFERENCED:
+            state["reference"] = holders.Reference(self.train_set, self.eval_set)
         self.checkpointer = Checkpointer(run_id, self.store, state, facts, self.sync, self.recorder, ledger,
                                          self.meter)
         self.state = TrainState(job.training, job.checkpoints.every_steps, self.model, self.optimizer,
                                 self.precision, self.guard, self.planner, self.progress, self.train_set,
                                 self.eval_set, self.eval_indices, self.pad_id, self.device, self.total_steps,
-                                self.poisoned)
+                                self.poisoned, make_objective(job.method))
+
+    def ready_reference(self, say) -> None:
+        """DPO/KTO: the reference log-probabilities before step 1, unless a restored checkpoint
+        brought them (reference.py). Called once the newest checkpoint, if any, is restored: a
+        run starting from step 0 still has the model of step 0, which is the reference."""
+        if self.job.method.objective not in REFERENCED:
+            return
+        from .reference import ready
+
+        if self.progress.step and self.train_set.reference is None:  # restored without one: never by the contract
+            from ..errors import RunStateError
+
+            raise RunStateError(f"run {self.run_id}: its checkpoint at step {self.progress.step} holds no "
+                                "reference table; start a new run")
+        ready(self.model, self.p, precision=self.precision, device=self.device, pad_id=self.pad_id, say=say)
 
     def collaborators(self) -> dict:
         """What ``train`` is given besides the state, by its keyword names."""

@@ -62,17 +62,18 @@ def _hook_backward(output, control) -> None:
         tensor.register_hook(control.yield_point)  # returns None: the gradient is left as it is
 
 
-def micro_step(model, batch: dict[str, torch.Tensor], precision, device: str, step_tokens: int,
-               factor: float = 1.0) -> torch.Tensor:
-    """Forward and backward of one micro-batch, its loss normalised over the whole step's target
-    tokens (``factor``: test-only fault injection, see faults.py); returns the detached loss."""
+def micro_step(objective, model, batch, precision, device: str, weights: tuple[int, ...],
+               factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward and backward of one micro-batch: the objective's loss terms (objective.py), combined
+    with the whole step's normalisers ``weights`` (``factor``: test-only fault injection, see
+    faults.py); returns the detached loss and the batch's metric sums (None for SFT)."""
     with precision.autocast():
-        loss, _ = token_loss_sum(model, {k: v.to(device) for k, v in batch.items()})
-    loss = loss / step_tokens
+        terms, sums = objective.terms(model, batch, device)
+    loss = objective.combine(terms, weights)
     if factor != 1.0:
         loss = loss * factor
     precision.backward(loss)
-    return loss.detach()
+    return loss.detach(), sums
 
 
 def optimizer_step(params, optimizer, precision, max_norm: float, loss_sum: torch.Tensor):
