@@ -119,6 +119,8 @@ class Generation:
                         break
             finally:
                 generator.close()
+        except ApiError as exc:
+            self._put(exc)
         except Exception as exc:  # reported to the client; the server goes on
             LOG.error("generation failed for %s: %s: %s", job.model, type(exc).__name__, exc)
             self._put(exc)
@@ -132,6 +134,8 @@ class Generation:
     async def pieces(self):
         try:
             while (item := await self.queue.get()) is not None:
+                if isinstance(item, ApiError):  # the request's own fault, found once generating
+                    raise item
                 if isinstance(item, Exception):
                     raise ApiError(500, f"generation failed: {item}", kind="server_error", code="generation_failed")
                 yield item

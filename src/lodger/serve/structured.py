@@ -67,7 +67,9 @@ class GrammarConstraint:
 
         self.vocabulary = vocabulary
         self.matcher = llguidance.LLMatcher(vocabulary.tokenizer, grammar, log_level=0)
-        self._check()
+        if self.matcher.is_error():  # past a limit of llguidance's that only the tokenizer shows
+            raise ApiError(400, f"response_format: the schema cannot be used: {self.matcher.get_error()}",
+                           param="response_format", code="invalid_json_schema")
 
     def _check(self) -> None:
         if self.matcher.is_error():
