@@ -223,7 +223,8 @@ BAD = [
     ("logit_bias outside the vocabulary", "/v1/chat/completions", {"logit_bias": {"999999": 5}}, "logit_bias"),
     ("logit_bias not a token id", "/v1/chat/completions", {"logit_bias": {"fish": 5}}, "logit_bias"),
     ("logit_bias too strong", "/v1/chat/completions", {"logit_bias": {"5": 500}}, "logit_bias.5"),
-    ("five stop strings", "/v1/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("33 stop strings", "/v1/chat/completions", {"stop": [f"s{i}" for i in range(33)]}, "stop"),
+    ("a seed beyond 64 bits", "/v1/chat/completions", {"seed": 2**70}, "seed"),
     ("legacy logprobs above 5", "/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
     ("legacy logprobs a bool", "/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
     ("token ids outside the vocabulary", "/v1/completions", {"prompt": [[1, 999999]]}, "prompt"),
@@ -234,6 +235,13 @@ BAD = [
     ("a chat field on completions", "/v1/completions", {"prompt": "x", "response_format": {"type": "text"}},
      "response_format"),
 ]
+
+
+def test_a_body_nested_past_pythons_stack_is_a_400(served):
+    client, _ = served
+    nested = b'{"model": "base", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = client.post("/v1/chat/completions", content=nested, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json", response.text
 
 
 @pytest.mark.parametrize("case, path, fields, param", BAD, ids=[b[0] for b in BAD])
@@ -348,3 +356,12 @@ def test_a_template_that_renders_tools_without_a_response_template_is_refused(se
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "tools" and "response_template" in error["message"], error
+
+
+def test_a_conversation_the_template_refuses_is_a_400_naming_messages(served, monkeypatch):
+    client, engine = served
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
+    response = client.post("/v1/chat/completions", json={"model": "base", "messages": QUESTION})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "roles must alternate" in error["message"], error

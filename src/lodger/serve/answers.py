@@ -36,8 +36,12 @@ async def chat(request: Request, state, body: ChatRequest):
         raise ApiError(400, "response_format: a JSON answer leaves no room for tool calls: send `tools` or a JSON "
                        "`response_format`, not both", param="response_format", code="unsupported_parameter")
     messages = [m.as_template() for m in body.messages]
-    prompt_text = engine.chat_text(messages, tools)
-    ids = engine.encode_chat(messages, tools)
+    try:
+        prompt_text = engine.chat_text(messages, tools)
+    except Exception as exc:  # noqa: BLE001 (templates raise on conversations they do not take)
+        raise ApiError(400, f"messages: the model's chat template refuses this conversation ({type(exc).__name__}: "
+                       f"{exc})", param="messages", code="invalid_value") from None
+    ids = engine.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     job = Job(body.model, ids, budget(engine, body, ids, "messages"), rules_of(engine, body, body.report()),
               body.stops(), grammar)
     record = request.scope.setdefault("state", {})  # what the request's log line reports

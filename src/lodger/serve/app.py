@@ -164,7 +164,7 @@ REFUSED = {ChatRequest: REFUSED_CHAT, CompletionRequest: REFUSED_COMPLETION}
 async def parse(request: Request, model: type[BaseModel], state: ServeState):
     try:
         raw = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's stack
         raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")

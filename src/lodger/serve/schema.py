@@ -123,8 +123,8 @@ class Message(Strict):
 
     def as_template(self) -> dict:
         """The message as a chat template takes it: one string (text parts joined, as OpenAI does)."""
-        text = self.content if isinstance(self.content, str) or self.content is None else \
-            "".join(p.text for p in self.content)
+        # no content (an assistant turn of calls only) as "": templates join content to strings
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
@@ -183,6 +183,7 @@ class ResponseFormat(Strict):
 
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MAX_STOPS = 32  # OpenAI allows 4; lm-eval's tasks send their own `until` list and the end-of-text string
 
 
 class Sampling(Strict):
@@ -193,7 +194,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what torch's generator takes
     n: int = Field(1, ge=1, le=1)
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
@@ -206,8 +207,8 @@ class Sampling(Strict):
     @field_validator("stop")
     @classmethod
     def _at_most_four(cls, stop):
-        if isinstance(stop, list) and len(stop) > 4:
-            raise ValueError("at most 4 stop strings")
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
         return stop
 
     @field_validator("logit_bias")
