@@ -131,6 +131,32 @@ def test_echo_logprobs_are_the_prompts_log_likelihood_as_lm_eval_reads_it(served
     assert alone["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(logprobs["token_logprobs"][:-1])
 
 
+def test_lm_evals_own_requests_and_readers_work(served, forward):
+    """lm-eval's `local-completions` model: its payloads (log-likelihood and generation) as it builds
+    them, and its own parse_logprobs / parse_generations on the answers."""
+    from types import SimpleNamespace
+
+    api = pytest.importorskip("lm_eval.models.openai_completions").LocalCompletionsAPI
+    client, engine = served
+    lm = SimpleNamespace(model="base", _max_gen_toks=8)
+    context = engine.tokenizer("Question: red cat. Answer:", add_special_tokens=False)["input_ids"]
+    ids = context + engine.tokenizer(" blue dog", add_special_tokens=False)["input_ids"]
+    answer = client.post("/v1/completions", json=api._create_payload(lm, [ids], generate=False)).json()
+    ((loglikelihood, greedy),) = api.parse_logprobs(answer, tokens=[ids], ctxlens=[len(context)])
+    expected = forward(ids)
+    assert loglikelihood == pytest.approx(float(sum(expected[i - 1, ids[i]] for i in range(len(context), len(ids)))),
+                                          abs=1e-3)
+    assert greedy == all(int(expected[i - 1].argmax()) == ids[i] for i in range(len(context), len(ids)))
+    payload = api._create_payload(lm, [ids], generate=True, eos="<|im_end|>",
+                                  gen_kwargs={"until": ["\n\n", "Question:", "Q:", "A:", "</s>"], "do_sample": False,
+                                              "temperature": 0.0})
+    response = client.post("/v1/completions", json=payload)
+    assert response.status_code == 200, response.text
+    (text,) = api.parse_generations(response.json())
+    assert text == post(client, "/v1/completions", prompt=ids, max_tokens=8, temperature=0,
+                        stop=payload["stop"])["choices"][0]["text"]
+
+
 def test_several_prompts_answer_in_order_like_each_alone(served):
     client, _ = served
     both = post(client, "/v1/completions", prompt=["red cat", "blue dog"], max_tokens=4, temperature=0)
