@@ -68,6 +68,8 @@ def create_app(engine: Engine, *, guard: Guard | None = None, max_queue: int = 8
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         threading.Thread(target=reload_loop, args=(state,), daemon=True, name="lodger-reload").start()
+        # the tokenizer as llguidance reads it (about a second), before a request needs it
+        threading.Thread(target=warm_vocabulary, args=(engine,), daemon=True, name="lodger-vocabulary").start()
         yield
         state.stop_reload.set()
         state.lease.close()
@@ -86,6 +88,14 @@ def create_app(engine: Engine, *, guard: Guard | None = None, max_queue: int = 8
     if guard is not None:  # outermost: refuses before anything runs, and logs what CatchAll answered
         app.add_middleware(GuardMiddleware, guard=guard)
     return app
+
+
+def warm_vocabulary(engine: Engine) -> None:
+    try:
+        engine.vocabulary  # noqa: B018 (a cached property: built here once)
+    except Exception as exc:  # noqa: BLE001 (only logprobs, response_format and token-id prompts need it)
+        LOG.warning("llguidance cannot read this tokenizer (%s: %s): logprobs, response_format and token-id "
+                    "prompts will fail", type(exc).__name__, exc)
 
 
 def reload_loop(state: ServeState) -> None:

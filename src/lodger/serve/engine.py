@@ -7,6 +7,7 @@ version between requests.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import functools
 import tempfile
@@ -176,9 +177,16 @@ class Engine:
         if isinstance(prompt, str):
             encoded = self.tokenizer(prompt, add_special_tokens=True, return_offsets_mapping=True)
             return encoded["input_ids"], prompt, [start for start, _ in encoded["offset_mapping"]]
-        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
-        offsets = [len(self.tokenizer.decode(prompt[:i], skip_special_tokens=False)) for i in range(len(prompt))]
-        return list(prompt), text, offsets
+        # token ids: the text of their bytes, read once through an incremental decoder (a character
+        # split over tokens starts where it is completed), so a long prompt costs one pass
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        parts, offsets, length = [], [], 0
+        for token in prompt:
+            offsets.append(length)
+            parts.append(decoder.decode(self.vocabulary.token_bytes(token)))
+            length += len(parts[-1])
+        parts.append(decoder.decode(b"", final=True))
+        return list(prompt), "".join(parts), offsets
 
     def generate(self, slot_name: str, ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                  seed: int | None, stop: list[str], penalties: Penalties | None = None,
