@@ -7,9 +7,14 @@
   OpenAI's shape and leaves no traceback in the server's stderr.
 - One log line per request; the penalties are honoured, checked against Hugging Face's
   repetition penalty and against a plain greedy loop written here.
+- The three requests that used to be answered as if their field were absent: `logprobs` with
+  `top_logprobs`, `response_format` and `tools` (tests/unit/test_serve_api.py checks each field
+  against the model in-process; here the official client reads them over HTTP).
 """
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
@@ -121,6 +126,16 @@ BAD_REQUESTS = [
     ("DELETE a model", "DELETE", "/v1/models/base", None, 405, None),
     ("POST on models", "POST", "/v1/models", {}, 405, None),
     ("unknown endpoint", "POST", "/v1/embeddings", {}, 404, None),
+    ("an unknown field", "POST", "/v1/chat/completions", {"frobnicate": True}, 400, "frobnicate"),
+    ("top_logprobs above the limit", "POST", "/v1/chat/completions", {"logprobs": True, "top_logprobs": 50}, 400,
+     "top_logprobs"),
+    ("a schema that does not compile", "POST", "/v1/chat/completions", {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "required": 7}}}}, 400,
+     "response_format.json_schema.schema"),
+    ("a tool without a name", "POST", "/v1/chat/completions",
+     {"tools": [{"type": "function", "function": {"parameters": {"type": "object"}}}]}, 400, "tools.0.function.name"),
+    ("legacy logprobs above 5", "POST", "/v1/completions", {"messages": None, "prompt": "x", "logprobs": 9}, 400,
+     "logprobs"),
 ]
 
 
@@ -145,6 +160,39 @@ def test_a_bad_request_gets_an_openai_error_and_no_traceback(api, case, method, 
     new = server.stderr()[len(before):]
     assert "Traceback" not in new, new
     assert server.client().chat.completions.create(model=run_id, messages=QUESTION, max_tokens=1).choices
+
+
+# -- logprobs, response_format, tools ----------------------------------------------------------------
+
+def test_logprobs_json_and_tools_are_answered_or_refused_never_ignored(api):
+    server, run_id = api
+    client = server.client()
+    answer = client.chat.completions.create(model=run_id, messages=QUESTION, max_tokens=4, temperature=0,
+                                            logprobs=True, top_logprobs=2)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens and "".join(t.token for t in content) == \
+        answer.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in content)
+
+    prompt = client.completions.create(model=run_id, prompt="Question: What is 2 + 3?\nAnswer: 5", max_tokens=1,
+                                       echo=True, logprobs=1, temperature=0)
+    logprobs = prompt.choices[0].logprobs
+    assert len(logprobs.tokens) == prompt.usage.prompt_tokens + 1 and logprobs.token_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:]) and len(logprobs.text_offset) == len(logprobs.tokens)
+    assert prompt.choices[0].text.startswith("Question: What is 2 + 3?\nAnswer: 5")
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer"], "additionalProperties": False}
+    shaped = client.chat.completions.create(model=run_id, messages=QUESTION, max_tokens=20, temperature=0,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "sum", "schema": schema}})
+    value = json.loads(shaped.choices[0].message.content)
+    assert set(value) == {"answer"} and 0 <= value["answer"] <= 9, value
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=run_id, messages=QUESTION, tools=[
+            {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}])
+    assert refused.value.param == "tools" and "template" in refused.value.message
 
 
 # -- the log line ---------------------------------------------------------------------------------------

@@ -1,34 +1,31 @@
 """The HTTP app: OpenAI-compatible chat and text completions, models, health.
 
 Every error has OpenAI's shape ({"error": {"message", "type", "param", "code"}}), whatever raised it
-(our checks, an unknown route, a wrong method, a bug); the server keeps serving. Requests beyond
-``max_queue`` (in flight plus waiting) get 429. Each admitted request is generated in a thread of
-its own that owns the request's queue slot and inference lease from the moment it is admitted:
-both are given back in that thread's ``finally``, whatever happens to the client.
+(our checks, an unknown route, a wrong method, a bug); the server keeps serving. A request body is
+checked whole before anything is generated: an unknown field, a refused one or a bad value is a 400
+naming it (schema.py). Requests beyond ``max_queue`` (in flight plus waiting) get 429. Each admitted
+request is generated in a thread of its own (generation.py); answers.py shapes the answers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import threading
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from . import answers
 from .auth import Guard, GuardMiddleware
-from .engine import Engine, Penalties, describe
+from .engine import Engine, describe
 from .lease import InferenceLease
-from .schema import ApiError, ChatRequest, CompletionRequest, Sampling
+from .schema import REFUSED_CHAT, REFUSED_COMPLETION, ApiError, ChatRequest, CompletionRequest, refusal
 
 LOG = logging.getLogger("lodger.serve")
 
@@ -71,6 +68,8 @@ def create_app(engine: Engine, *, guard: Guard | None = None, max_queue: int = 8
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         threading.Thread(target=reload_loop, args=(state,), daemon=True, name="lodger-reload").start()
+        # the tokenizer as llguidance reads it (about a second), before a request needs it
+        threading.Thread(target=warm_vocabulary, args=(engine,), daemon=True, name="lodger-vocabulary").start()
         yield
         state.stop_reload.set()
         state.lease.close()
@@ -89,6 +88,14 @@ def create_app(engine: Engine, *, guard: Guard | None = None, max_queue: int = 8
     if guard is not None:  # outermost: refuses before anything runs, and logs what CatchAll answered
         app.add_middleware(GuardMiddleware, guard=guard)
     return app
+
+
+def warm_vocabulary(engine: Engine) -> None:
+    try:
+        engine.vocabulary  # noqa: B018 (a cached property: built here once)
+    except Exception as exc:  # noqa: BLE001 (only logprobs, response_format and token-id prompts need it)
+        LOG.warning("llguidance cannot read this tokenizer (%s: %s): logprobs, response_format and token-id "
+                    "prompts will fail", type(exc).__name__, exc)
 
 
 def reload_loop(state: ServeState) -> None:
@@ -161,25 +168,41 @@ class CatchAll:
 
 # -- request bodies (dependencies) -------------------------------------------------------------------
 
+REFUSED = {ChatRequest: REFUSED_CHAT, CompletionRequest: REFUSED_COMPLETION}
+
+
 async def parse(request: Request, model: type[BaseModel], state: ServeState):
     try:
         raw = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's stack
         raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
     if not isinstance(raw, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    refused = refusal(raw, REFUSED[model])
+    if refused is not None:
+        raise refused
     try:
         body = model.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
-        message = first["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{param}: {message}", param=param, code="invalid_value") from None
+        raise invalid(exc) from None
+    body.check()
     if body.model not in state.engine.slots:
         raise ApiError(404, f"the model `{body.model}` does not exist; GET /v1/models lists them",
                        param="model", code="model_not_found")
     request.state.model = body.model
     return body
+
+
+def invalid(exc: ValidationError) -> ApiError:
+    """The first problem of a body as a 400 naming its field (an unknown field by its name)."""
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return ApiError(400, f"Unrecognized request argument supplied: {param} (docs/serve.md lists the "
+                        "parameters this server supports, refuses and ignores)", param=param,
+                        code="unknown_parameter")
+    message = first["msg"].removeprefix("Value error, ")
+    return ApiError(400, f"{param}: {message}", param=param or None, code="invalid_value")
 
 
 async def chat_body(request: Request, state: ServeState = Depends(get_state)) -> ChatRequest:
@@ -213,153 +236,12 @@ def retrieve_model(model_id: str, state: ServeState = Depends(get_state)) -> dic
 
 async def chat_completions(request: Request, body: ChatRequest = Depends(chat_body),
                            state: ServeState = Depends(get_state)):
-    ids = state.engine.encode_chat([m.as_template() for m in body.messages])
-    return await complete(request, state, body, ids, chat=True)
+    return await answers.chat(request, state, body)
 
 
 async def completions(request: Request, body: CompletionRequest = Depends(completion_body),
                       state: ServeState = Depends(get_state)):
-    return await complete(request, state, body, state.engine.encode_text(body.prompt), chat=False)
-
-
-# -- generation --------------------------------------------------------------------------------------
-
-def budget(engine: Engine, body: Sampling, prompt_ids: list[int], param: str) -> int:
-    room = engine.context_length - len(prompt_ids)
-    if room <= 0:
-        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context length is "
-                       f"{engine.context_length}: shorten the prompt", param=param, code="context_length_exceeded")
-    wanted = body.max_completion_tokens or body.max_tokens or min(256, room)
-    if wanted > room:
-        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens and max_tokens is {wanted}; the model's "
-                       f"context length is {engine.context_length}: shorten the prompt or lower max_tokens",
-                       param=param, code="context_length_exceeded")
-    return wanted
-
-
-def usage_of(ids: list[int], completion: int) -> dict:
-    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
-
-
-class Generation:
-    """One admitted request, generated in its own thread, read piece by piece by the event loop.
-
-    The thread owns the queue slot and the lease from ``start()`` on and gives both back in its
-    ``finally``, whatever happens to the client (gone, never read the stream, timed out)."""
-
-    def __init__(self, state: ServeState, body: Sampling, ids: list[int], max_tokens: int, record: dict):
-        self.state, self.body, self.ids, self.max_tokens, self.record = state, body, ids, max_tokens, record
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
-        self.cancelled = threading.Event()
-        self.stats: dict = {"completion_tokens": 0}  # written by the engine as it generates
-
-    def start(self) -> "Generation":
-        self.state.admit()
-        try:
-            threading.Thread(target=self._work, daemon=True, name="lodger-generate").start()
-        except BaseException:
-            self.state.leave()
-            raise
-        return self
-
-    def _put(self, item) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop is gone (server shutting down)
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    def _work(self) -> None:
-        body = self.body
-        try:
-            # begin() counts the request in flight before anything that can fail: end() balances it
-            self.record["held"] = self.state.lease.begin()
-            penalties = Penalties(body.frequency_penalty, body.presence_penalty, body.repetition_penalty)
-            generator = self.state.engine.generate(body.model, self.ids, max_tokens=self.max_tokens,
-                                                   temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                                   stop=body.stops(), penalties=penalties,
-                                                   stats=self.stats)
-            try:
-                for piece in generator:
-                    self._put(piece)
-                    if self.cancelled.is_set():
-                        break
-            finally:
-                generator.close()
-        except Exception as exc:  # reported to the client; the server goes on
-            LOG.error("generation failed for %s: %s: %s", body.model, type(exc).__name__, exc)
-            self._put(exc)
-        finally:
-            try:
-                self.state.lease.end()
-            finally:
-                self.state.leave()
-                self._put(None)
-
-    async def pieces(self):
-        try:
-            while (item := await self.queue.get()) is not None:
-                if isinstance(item, Exception):
-                    raise ApiError(500, f"generation failed: {item}", kind="server_error", code="generation_failed")
-                yield item
-        finally:
-            self.cancelled.set()
-
-
-async def complete(request: Request, state: ServeState, body: Sampling, ids: list[int], chat: bool):
-    max_tokens = budget(state.engine, body, ids, "messages" if chat else "prompt")
-    record = request.scope.setdefault("state", {})  # what the request's log line reports
-    generation = Generation(state, body, ids, max_tokens, record).start()
-    ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    if body.stream:
-        return StreamingResponse(stream(generation, chat, ident, created),
-                                 media_type="text/event-stream")
-    text, finish, version = "", None, None
-    async for piece, finish, version in generation.pieces():
-        text += piece
-    record["usage"] = usage = usage_of(ids, generation.stats["completion_tokens"])
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": body.model, "system_fingerprint": version, "choices": [choice], "usage": usage}
-
-
-async def stream(generation: Generation, chat: bool, ident: str, created: int):
-    body, with_usage = generation.body, generation.body.include_usage()
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    version = None
-
-    def chunk(choices: list, **extra) -> str:
-        data = {"id": ident, "object": kind, "created": created, "model": body.model,
-                "system_fingerprint": version, "choices": choices, **extra}
-        if with_usage:
-            data.setdefault("usage", None)  # as OpenAI: null on every chunk but the last
-        return f"data: {json.dumps(data)}\n\n"
-
-    def choice(text: str | None, finish: str | None, first: bool = False) -> dict:
-        if not chat:
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-
-    first = True
-    try:
-        async for piece, finish, version in generation.pieces():
-            if first and chat:
-                yield chunk([choice(None, None, first=True)])
-            first = False
-            if piece:
-                yield chunk([choice(piece, None)])
-            if finish:
-                yield chunk([choice(None, finish)])
-        generation.record["usage"] = usage = usage_of(generation.ids, generation.stats["completion_tokens"])
-        if with_usage:
-            yield chunk([], usage=usage)
-    except ApiError as exc:
-        yield f"data: {json.dumps(exc.body())}\n\n"
-    yield "data: [DONE]\n\n"
+    return await answers.completions(request, state, body)
 
 
 __all__ = ["ServeState", "create_app"]

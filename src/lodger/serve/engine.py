@@ -7,7 +7,9 @@ version between requests.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import functools
 import tempfile
 import threading
 import time
@@ -18,6 +20,9 @@ from typing import Iterator
 from ..checkpoint import CheckpointStore
 from ..errors import LodgerError
 from ..home import run_dir
+from .decode import Penalties, Piece, Rules, TokenInfo, prompt_report
+
+PREFILL_CHUNK = 512  # prompt positions per forward pass when every prompt token is reported
 
 
 @dataclass
@@ -145,129 +150,136 @@ class Engine:
         return [s.version for s in list(self.slots.values()) if s.kind == "run" and self.refresh(s)]
 
     # -- generation --------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    @property
+    def vocab(self) -> int:
+        """The logits' length (may exceed the tokenizer's, when the embedding is padded)."""
+        return int(self.base.get_output_embeddings().weight.shape[0])
+
+    @functools.cached_property
+    def vocabulary(self):
+        """The tokenizer as llguidance reads it (grammars, token bytes), built on first use."""
+        from .structured import Vocabulary
+
+        return Vocabulary(self.tokenizer, self.vocab)
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.tokenizer(self.chat_text(messages, tools), add_special_tokens=False)["input_ids"]
+
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
     def encode_text(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[list[int], str, list[int]]:
+        """(ids, text, where each token's text starts in it) of a completion prompt, a string or ids."""
+        if isinstance(prompt, str):
+            encoded = self.tokenizer(prompt, add_special_tokens=True, return_offsets_mapping=True)
+            return encoded["input_ids"], prompt, [start for start, _ in encoded["offset_mapping"]]
+        # token ids: the text of their bytes, read once through an incremental decoder (a character
+        # split over tokens starts where it is completed), so a long prompt costs one pass
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        parts, offsets, length = [], [], 0
+        for token in prompt:
+            offsets.append(length)
+            parts.append(decoder.decode(self.vocabulary.token_bytes(token)))
+            length += len(parts[-1])
+        parts.append(decoder.decode(b"", final=True))
+        return list(prompt), "".join(parts), offsets
+
     def generate(self, slot_name: str, ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                 seed: int | None, stop: list[str], penalties: "Penalties | None" = None,
+                 seed: int | None, stop: list[str], penalties: Penalties | None = None,
                  stats: dict | None = None) -> Iterator[tuple[str, str | None, str]]:
-        """Yield (text piece, finish reason or None, adapter version), holding the lock throughout;
-        ``stats["completion_tokens"]`` counts the tokens generated (the end-of-turn token not included)."""
+        """(text piece, finish reason or None, adapter version) of ``stream`` with plain sampling."""
+        rules = Rules(temperature=temperature, top_p=top_p, seed=seed, penalties=penalties or Penalties())
+        for piece in self.stream(slot_name, ids, max_tokens=max_tokens, rules=rules, stop=stop, stats=stats):
+            yield piece.text, piece.finish, piece.version
+
+    def stream(self, slot_name: str, ids: list[int], *, max_tokens: int, rules: Rules, stop: list[str],
+               stats: dict | None = None, echo: list[int] | None = None) -> Iterator[Piece]:
+        """Pieces of the answer, holding the lock throughout; ``stats["completion_tokens"]`` counts the
+        tokens generated (the end-of-turn token not included). ``echo`` (where each prompt token's
+        text starts): the first piece reports every prompt token."""
         import torch
 
-        penalties = penalties or Penalties()
         stats = stats if stats is not None else {}
-
         with self.lock:
-            slot = self.slots[slot_name]
-            version = slot.version
-            model = self.model
-            if slot.kind == "base" and model is not self.base:
-                context = model.disable_adapter()
-            else:
-                context = contextlib.nullcontext()
-                if model is not self.base:
-                    model.set_adapter(version)
-            generator = torch.Generator()
-            if seed is not None:
-                generator.manual_seed(seed)
-            else:
-                generator.seed()  # unseeded requests get fresh randomness
-            input_ids = torch.tensor([ids])
-            cache, produced, text_so_far, sent = None, [], "", 0
-            history = penalties.history(ids, self.base.get_output_embeddings().weight.shape[0])
-            eos = self.tokenizer.eos_token_id
-            holdback = max((len(x) for x in stop if x), default=1) - 1  # a stop string may span tokens
+            version, model, context = self._select(slot_name)
             with context, torch.no_grad():
-                for _ in range(max_tokens):
-                    out = model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-                    cache = out.cache
-                    logits = penalties.apply(out.logits[0, -1].float(), history)
-                    token = _sample(logits, temperature, top_p, generator)
-                    history.add(token)
-                    if token == eos:
-                        yield text_so_far[sent:], "stop", version
-                        return
-                    produced.append(token)
-                    stats["completion_tokens"] = len(produced)
-                    text_so_far = self.tokenizer.decode(produced, skip_special_tokens=True)
-                    hit = next((s for s in stop if s and s in text_so_far), None)
-                    if hit:
-                        cut = text_so_far.index(hit)
-                        yield text_so_far[sent:cut], "stop", version
-                        return
-                    safe = len(text_so_far) - holdback
-                    if safe > sent and not text_so_far[:safe].endswith("\ufffd"):  # whole characters only
-                        yield text_so_far[sent:safe], None, version
-                        sent = safe
-                    input_ids = torch.tensor([[token]])
-            yield text_so_far[sent:], "length", version
+                if echo is None:
+                    out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+                else:
+                    out, infos = self._reported_prefill(model, ids, rules.report or 0, echo)
+                    yield Piece("", None, version, infos, prompt=True)
+                if max_tokens == 0:
+                    yield Piece("", "length", version)
+                    return
+                yield from self._decode(model, out, ids, version, max_tokens, rules, stop, stats)
 
-
-@dataclass(frozen=True)
-class Penalties:
-    """OpenAI's frequency and presence penalties (on the answer's tokens so far) and the
-    `repetition_penalty` extension (Hugging Face's: on every token of the prompt and the answer)."""
-
-    frequency: float = 0.0
-    presence: float = 0.0
-    repetition: float = 1.0
-
-    @property
-    def active(self) -> bool:
-        return bool(self.frequency or self.presence or self.repetition != 1.0)
-
-    def history(self, prompt_ids: list[int], vocab: int) -> "TokenHistory":
-        return TokenHistory(prompt_ids, vocab, self.active)
-
-    def apply(self, logits, history: "TokenHistory"):
-        """The logits with the penalties taken off (a new tensor; unchanged when none is set)."""
-        if not self.active:
-            return logits
-        logits = logits.clone()
-        if self.repetition != 1.0:
-            seen = history.seen
-            scaled = logits.where(logits < 0, logits / self.repetition)
-            scaled = scaled.where(logits >= 0, logits * self.repetition)
-            logits = logits.where(~seen, scaled)
-        counts = history.counts
-        return logits - counts * self.frequency - (counts > 0).float() * self.presence
-
-
-class TokenHistory:
-    """Which tokens the prompt and the answer hold (for repetition), and how often the answer has each."""
-
-    def __init__(self, prompt_ids: list[int], vocab: int, needed: bool):
+    def _reported_prefill(self, model, ids: list[int], top: int, offsets: list[int]):
+        """The prompt's forward pass with every prompt token reported (lm-eval's log-likelihoods),
+        ``PREFILL_CHUNK`` positions at a time through the cache, so the logits held are a chunk's,
+        not the prompt's length times the vocabulary. Returns (the last chunk's output, reports)."""
         import torch
 
-        size = vocab if needed else 0  # the logits' length
-        self.counts = torch.zeros(size)
-        self.seen = torch.zeros(size, dtype=torch.bool)
-        if needed and prompt_ids:
-            self.seen[torch.tensor(prompt_ids)] = True
+        out, infos = None, [TokenInfo(ids[0], None, (), offsets[0])]  # the first token has no context
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[start:start + PREFILL_CHUNK]
+            out = model(input_ids=torch.tensor([chunk]), cache=out.cache if out else None, use_cache=True,
+                        logits_to_keep=0)
+            targets = ids[start + 1:start + 1 + len(chunk)]  # each position predicts the next token
+            if targets:
+                infos += prompt_report(out.logits[0, :len(targets)], targets, top,
+                                       offsets[start + 1:start + 1 + len(targets)])
+        return out, infos
 
-    def add(self, token: int) -> None:
-        if token < self.counts.shape[0]:
-            self.counts[token] += 1
-            self.seen[token] = True
+    def _select(self, slot_name: str):
+        """(version, model, context) answering for a slot; called under the lock."""
+        slot = self.slots[slot_name]
+        model = self.model
+        if slot.kind == "base" and model is not self.base:
+            return slot.version, model, model.disable_adapter()
+        if model is not self.base:
+            model.set_adapter(slot.version)
+        return slot.version, model, contextlib.nullcontext()
 
+    def _decode(self, model, out, ids, version, max_tokens, rules: Rules, stop, stats) -> Iterator[Piece]:
+        """The token loop from the prompt's forward pass ``out``: text in whole characters, held back
+        while a stop string may be forming; each token reported in the piece its text starts in."""
+        import torch
 
-def _sample(logits, temperature: float, top_p: float, generator) -> int:
-    import torch
-
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-        probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=generator))
+        generator = rules.generator()
+        history = rules.penalties.history(ids, self.vocab)
+        eos = self.tokenizer.eos_token_id
+        holdback = max((len(x) for x in stop if x), default=1) - 1  # a stop string may span tokens
+        produced, text, sent, pending = [], "", 0, []
+        for n in range(max_tokens):
+            if n:
+                out = model(input_ids=torch.tensor([[produced[-1]]]), cache=out.cache, use_cache=True,
+                            logits_to_keep=1)
+            token, info = rules.choose(out.logits[0, -1].float(), history, generator)
+            history.add(token)
+            if token == eos:
+                yield Piece(text[sent:], "stop", version, pending)
+                return
+            if info is not None:
+                pending.append(TokenInfo(info.id, info.logprob, info.top, len(text)))
+            produced.append(token)
+            stats["completion_tokens"] = len(produced)
+            text = self.tokenizer.decode(produced, skip_special_tokens=True)
+            hit = next((s for s in stop if s and s in text), None)
+            if hit:
+                cut = text.index(hit)
+                yield Piece(text[sent:cut], "stop", version, [t for t in pending if t.offset < cut])
+                return
+            safe = len(text) - holdback
+            if safe > sent and not text[:safe].endswith("\ufffd"):  # whole characters only
+                ready = [t for t in pending if t.offset < safe]
+                pending = pending[len(ready):]
+                yield Piece(text[sent:safe], None, version, ready)
+                sent = safe
+        yield Piece(text[sent:], "length", version, pending)
 
 
 def describe(slot: Slot) -> dict:
@@ -275,4 +287,4 @@ def describe(slot: Slot) -> dict:
             "lodger": {"kind": slot.kind, "version": slot.version, "step": slot.step}}
 
 
-__all__ = ["Engine", "Penalties", "Slot", "describe"]
+__all__ = ["Engine", "Penalties", "Piece", "Rules", "Slot", "describe"]
