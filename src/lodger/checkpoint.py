@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__, durable
-from .errors import CheckpointError
+from .errors import CheckpointError, DiskFull
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -58,6 +58,15 @@ def newest_world_size(root: Path) -> int | None:
         except (OSError, ValueError, TypeError, AttributeError):
             continue  # damaged: resume will move it aside and use the previous one
     return None
+
+
+def _size_of(data) -> int:
+    """Bytes a checkpoint file will take: bytes as they are, a TensorFile its tensors (its header is
+    small beside them)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return len(data)
+    tensors = getattr(data, "tensors", {})
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + 1024 * (1 + len(tensors) // 8)
 
 
 def _sha256(data: bytes | memoryview) -> str:
@@ -194,6 +203,25 @@ class CheckpointStore:
         memory (no serialised copy is ever built)."""
         final = self.root / f"step-{step:08d}"
         tmp = self.root / f".tmp-{step:08d}-{secrets.token_hex(4)}"
+        try:
+            self._write_files(tmp, step, files, info)
+        except (DiskFull, OSError) as exc:
+            if isinstance(exc, OSError) and not durable.is_no_space(exc):
+                raise
+            durable.remove_tree(tmp)  # its space back at once; the committed checkpoints are untouched
+            needed = sum(_size_of(data) for data in files.values()) + 4096  # + the manifest
+            raise durable.disk_full(final, needed).explain(what=f"checkpoint step {step}") from None
+        durable.fault_point("before_rename")
+        if final.exists():  # the same step saved again (e.g. after a damaged one was moved aside)
+            self._discard(final)
+        durable.rename(tmp, final)
+        durable.fault_point("before_dir_fsync")
+        durable.fsync_dir(self.root)
+        self.prune()
+        return final
+
+    def _write_files(self, tmp: Path, step: int, files: dict, info: dict | None) -> None:
+        """Every file into ``tmp``, each fsynced, the manifest last, then the folder fsynced."""
         durable.mkdir(tmp)
         hashers: dict[str, _Hasher] = {}
         try:
@@ -217,14 +245,6 @@ class CheckpointStore:
         manifest["manifest_sha256"] = _manifest_hash(manifest)
         durable.write_file(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         durable.fsync_dir(tmp)
-        durable.fault_point("before_rename")
-        if final.exists():  # the same step saved again (e.g. after a damaged one was moved aside)
-            self._discard(final)
-        durable.rename(tmp, final)
-        durable.fault_point("before_dir_fsync")
-        durable.fsync_dir(self.root)
-        self.prune()
-        return final
 
     def _discard(self, path: Path) -> None:
         trash = self.root / f".trash-{path.name}-{secrets.token_hex(4)}"

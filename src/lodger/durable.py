@@ -7,17 +7,27 @@ fsync the folder. Two test hooks live here too:
   the process at once with SIGKILL when ``LODGER_FAULT`` names it (``name`` or ``name@N``).
 - A recorder: ``set_recorder(obj)`` receives every durable operation, so a test can rebuild a
   folder from only what had been fsynced at any moment (power-loss simulation).
+
+A full file system (ENOSPC, or a quota's EDQUOT) is never an unexplained OSError: the half-written
+file is removed and ``errors.DiskFull`` names the path, the space needed and what is free there.
+Files lodger appends to in a run folder are opened without following a symbolic link
+(``open_append``): a link planted there cannot make lodger write outside it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Protocol
 
+from .errors import DiskFull, LodgerError
 from .faults import FAULT_ENV, fault_point  # noqa: F401 (the hook production code calls)
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class Recorder(Protocol):
@@ -43,6 +53,69 @@ def is_plain_name(name) -> bool:
     name: joined to a folder, it names an entry of that folder and nothing outside it."""
     return (isinstance(name, str) and name not in ("", ".", "..") and len(name.encode(errors="replace")) <= 255
             and not any(c in name for c in ("/", "\\", "\0")))
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says the file system (or the owner's quota) is full: an OSError, or a library's
+    own error carrying the OS's words (safetensors' Rust writer raises SafetensorError)."""
+    if isinstance(exc, DiskFull):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno in NO_SPACE
+    text = str(exc)
+    return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system holding ``path`` (or the
+    nearest folder above it that exists); None when it cannot be asked."""
+    path = Path(path)
+    for folder in (path, *path.parents):
+        try:
+            st = os.statvfs(folder)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return None
+
+
+def disk_full(path: Path, needed: int | None = None, what: str = "") -> DiskFull:
+    """The error for a write to ``path`` that found no space (the free space is measured now)."""
+    path = Path(path)
+    return DiskFull(path, needed, free_bytes(path), what, folder=path.parent)
+
+
+def file_kind(path: Path) -> str | None:
+    """What ``path`` is when it is not a regular file that can be read to its end without blocking
+    ("a named pipe (FIFO)", "a character device", "a folder", ...; links followed), or None when it
+    is one (or does not exist: the caller says that in its own words)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_append(path: Path, binary: bool = False):
+    """Open ``path`` for appending (created owner-only), refusing to follow a symbolic link: a link
+    planted in a run folder (log.txt -> ~/.bashrc) must not make lodger write where it points."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LodgerError(f"{path} is a symbolic link (to {os.readlink(path)}); lodger does not write through "
+                              f"links in its own folders. Remove it (`rm {path}`) and run the command again") from None
+        if is_no_space(exc):
+            raise disk_full(Path(path), what="opening it to append") from None
+        raise
+    return os.fdopen(fd, "ab" if binary else "a", **({} if binary else {"encoding": "utf-8", "buffering": 1}))
 
 
 def fsync_dir(path: Path) -> None:
@@ -76,15 +149,25 @@ def write_file(path: Path, data, observe=None) -> None:
 
     ``data`` is bytes, or an iterable of buffers written in order (a file streamed from memory it
     does not copy); ``observe(chunk)``, when given, sees each buffer just before it is written."""
-    chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:  # owner-only
-        _record("create", path)
-        for chunk in chunks:
-            if observe is not None:
-                observe(chunk)
-            fh.write(chunk)
-        fh.flush()
-        os.fsync(fh.fileno())
+    whole = isinstance(data, (bytes, bytearray, memoryview))
+    chunks = (data,) if whole else data
+    try:
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:  # owner-only
+            _record("create", path)
+            for chunk in chunks:
+                if observe is not None:
+                    observe(chunk)
+                fh.write(chunk)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        if not is_no_space(exc):
+            raise
+        try:  # what fitted of it is garbage now: give its space back
+            os.unlink(path)
+        except OSError:
+            pass
+        raise disk_full(path, len(data) if whole else None) from None
     _record("fsync", path)
 
 
@@ -104,7 +187,10 @@ def atomic_write(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that a reader sees the old or the new content, never a mix."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_file(tmp, data)
+    try:
+        write_file(tmp, data)
+    except DiskFull as exc:  # name the file the user knows, not its hidden sibling
+        raise exc.explain(path=path) from None
     rename(tmp, path)
     fsync_dir(path.parent)
 
@@ -120,9 +206,16 @@ def write_folder(final: Path, files: dict, tmp_prefix: str = ".tmp-", replace: b
     if bad:
         raise ValueError(f"{bad[0]!r} is not a plain file name for {final}")
     tmp = final.with_name(f"{tmp_prefix}{final.name}-{secrets.token_hex(3)}")
-    mkdir(tmp)
-    for name, data in files.items():
-        write_file(tmp / name, data)
+    try:
+        mkdir(tmp)
+        for name, data in files.items():
+            write_file(tmp / name, data)
+    except (DiskFull, OSError) as exc:
+        if isinstance(exc, OSError) and not is_no_space(exc):
+            raise
+        remove_tree(tmp)
+        sizes = [len(d) for d in files.values() if isinstance(d, (bytes, bytearray, memoryview))]
+        raise disk_full(final, sum(sizes) if len(sizes) == len(files) else None) from None
     fsync_dir(tmp)
     if final.exists():
         remove_tree(final)

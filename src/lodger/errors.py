@@ -91,3 +91,35 @@ class FederationRefused(GateRefused):
         super().__init__(reasons, plan=plan, job_hash=job_hash)
         listed = "\n".join(f"  - {r}" for r in self.reasons)
         self.args = (f"federation refused, {len(self.reasons)} failed check(s); nothing was sent:\n{listed}",)
+
+
+class DiskFull(LodgerError):
+    """A write found its file system full (ENOSPC, or a quota): the message names the path, the space
+    it needed and what was free there; what had been written of it was removed.
+
+    ``then``: what to do once space is freed (e.g. `lodger resume RUN`), added by whoever knows."""
+
+    def __init__(self, path, needed: int | str | None, free: int | None, what: str = "", then: str = "",
+                 folder=None):
+        self.path, self.needed, self.free, self.what, self.then = path, needed, free, what, then
+        self.folder = folder if folder is not None else path  # what `df` is shown for
+        need = (f"it needs {needed}" if isinstance(needed, str) else
+                f"it needs {size_text(needed)}" if needed is not None else "it needs more room")
+        there = f"{size_text(free)} free there" if free is not None else "the free space is unknown"
+        super().__init__(f"no space left on the file system of {path}{f' ({what})' if what else ''}: {need}, "
+                         f"{there}; what it had written was removed. Free some space (`df -h {self.folder}` "
+                         f"shows that file system), then {then or 'run the command again'}")
+
+    def explain(self, what: str | None = None, then: str | None = None, needed: int | str | None = None,
+                path=None) -> "DiskFull":
+        """The same error, saying more: what was being written, the whole need, what to do after."""
+        return DiskFull(path or self.path, self.needed if needed is None else needed, self.free,
+                        self.what if what is None else what, self.then if then is None else then, self.folder)
+
+
+def size_text(n: int) -> str:
+    """A byte count for people: 12 bytes, 3.4 KiB, 1.2 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"

@@ -14,6 +14,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from . import durable
+
 ETA_WINDOW = 20  # recent steps the ETA is computed from (the first steps are slower: warm-up, caches)
 
 
@@ -49,7 +51,7 @@ class Reporter:
     """Prints step lines and messages; a live progress display when stdout is a terminal."""
 
     def __init__(self, log_path: Path, total: int, start: int, quiet: bool = False, live: bool | None = None):
-        self.log = open(log_path, "a", buffering=1, encoding="utf-8")
+        self.log = durable.open_append(log_path)  # line-buffered; never through a planted link
         self.quiet = quiet
         self.total, self.first = total, start
         self.began = time.monotonic()

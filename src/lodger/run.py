@@ -24,7 +24,7 @@ from .control import Control, clear_request
 from .data import make_sampler, read_jsonl, split_indices, tokenize
 from .preference import row_checker, tokenize_preference
 from .distributed import Ranks
-from .errors import LimitReached, PreflightError, RunStateError
+from .errors import DiskFull, LimitReached, PreflightError, RunStateError
 from .home import run_dir
 from .ledger import Ledger
 from .recovery import complete_ledger
@@ -241,13 +241,33 @@ def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ra
         return status
     except BaseException as exc:
         if not isinstance(exc, KeyboardInterrupt):
-            ledger.update_run(run_id, pid=None)
-            ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=session.progress.step)
+            recorded = _record_failure(ledger, run_id, exc, session.progress.step)
+            if isinstance(exc, DiskFull):
+                raise _disk_full_of_run(exc, session, recorded) from None
         raise
     finally:
         reporter.close()
         ledger.close()
         lock.release()
+
+
+def _record_failure(ledger: Ledger, run_id: str, exc: BaseException, step: int) -> bool:
+    """The run failed: say so in the ledger, unless the disk is too full for that too (then the
+    next resume finds a run whose process is gone, as after a SIGKILL, and recovers it)."""
+    try:
+        ledger.update_run(run_id, pid=None)
+        ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=step)
+    except DiskFull:
+        return False
+    return True
+
+
+def _disk_full_of_run(exc: DiskFull, session: Session, recorded: bool) -> DiskFull:
+    """A full disk stopped the run: which checkpoint is intact, and how to go on once space is free."""
+    committed = session.store.committed()
+    kept = f"checkpoint {committed[0][1].name} is intact" if committed else "no checkpoint had been committed yet"
+    note = "" if recorded else "; the ledger could not record the failure either, resume completes it"
+    return exc.explain(then=f"`lodger resume {session.run_id}` ({kept}{note})")
 
 
 def _announce_holds(session: Session, ledger: Ledger, reporter) -> None:

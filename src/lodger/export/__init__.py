@@ -17,7 +17,8 @@ import tomllib
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ExportError, RunStateError
+from ..durable import free_bytes, is_no_space
+from ..errors import DiskFull, ExportError, RunStateError, size_text
 
 FORMATS = ("peft", "merged", "gguf")
 RECORD_FILES = ("job.toml", "provenance.json", "metrics.jsonl")
@@ -98,6 +99,7 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
         check_supported(json.loads((base.folder / "config.json").read_text()), outtype)
     parts = {f: "." if len(formats) == 1 else f for f in formats}
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
+    free_before = free_bytes(dest.parent)
     try:
         tmp.mkdir(parents=True)
         gguf_info = _write_formats(run, folder, weights, base, formats, parts, outtype, tmp, say)
@@ -108,8 +110,12 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
         manifest = write_manifest(tmp, run_id=run["id"], formats=formats, ledger_head=head,
                                   extra={"outtype": outtype} if "gguf" in formats else {})
         publish(tmp, dest)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_no_space(exc):  # the half-written export is gone: say what it needs, not an OSError
+            need = max(_room_needed(folder, weights, base.folder, formats), (free_before or 0) + 1)
+            raise DiskFull(dest, f"about {size_text(need)}", free_bytes(dest.parent), "the export",
+                           f"`lodger export {run['id']} {dest}` again", folder=dest.parent) from None
         raise
     from ..durable import fsync_dir
 
@@ -118,6 +124,18 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
         ledger.event(run["id"], "exported", path=str(dest.resolve()), formats=formats,
                      ledger_head=head["hash"], files=len(manifest["files"]))
     return manifest
+
+
+def _room_needed(folder: Path, weights: Path, base_folder: Path, formats: list[str]) -> int:
+    """About the bytes an export takes: the record, the adapter, the base's small files, and for a
+    merged model or a GGUF file the base's weights once each (as large as them at most)."""
+    def size(path: Path) -> int:
+        return path.stat().st_size if path.is_file() else 0
+
+    base = [p for p in base_folder.iterdir() if p.is_file()]
+    heavy = sum(size(p) for p in base if p.suffix in (".safetensors", ".bin", ".gguf"))
+    total = sum(size(folder / n) for n in RECORD_FILES) + sum(size(p) for p in base) - heavy + 64 * 1024
+    return total + size(weights) * ("peft" in formats) + heavy * (("merged" in formats) + ("gguf" in formats))
 
 
 def _write_formats(run, folder, weights, base, formats, parts, outtype, tmp: Path, say) -> dict | None:

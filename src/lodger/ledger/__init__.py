@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from .. import durable
 from ..errors import LedgerError, RunNotFound
 from ..home import ledger_path
 from . import records
@@ -56,6 +57,8 @@ class Ledger:
             self.db.execute("PRAGMA busy_timeout=30000")
             self._migrate()
         except sqlite3.DatabaseError as exc:
+            if _is_full(exc):
+                raise _disk_full(self.path) from None
             raise LedgerError(f"{self.path}: cannot open the ledger: {exc}") from None
 
     def close(self) -> None:
@@ -120,7 +123,7 @@ class Ledger:
         return row["hash"] if row else None
 
     def transaction(self):
-        return _Transaction(self.db)
+        return _Transaction(self.db, self.path)
 
     def events(self, run_id: str | None = None) -> list[dict]:
         sql, args = "SELECT * FROM events", ()
@@ -410,20 +413,53 @@ class Ledger:
         return [json.loads(r["data"]) for r in rows]
 
 
-class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, so concurrent writers serialise instead of losing rows."""
+LEDGER_ROOM = 1 << 20
+"""Free space that is ample for one command's ledger writes (a transaction adds a few 4 KiB pages
+to the write-ahead log); what a full-disk error asks for."""
 
-    def __init__(self, db: sqlite3.Connection):
-        self.db = db
+
+def _is_full(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+                                               or "database or disk is full" in str(exc))
+
+
+def _disk_full(path: Path):
+    return durable.disk_full(path, LEDGER_ROOM, "the ledger; nothing of this write was recorded, "
+                                                "what it held before is intact")
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, so concurrent writers serialise instead of losing rows. A full disk
+    (SQLite's SQLITE_FULL) rolls the whole transaction back and is a DiskFull naming ledger.db."""
+
+    def __init__(self, db: sqlite3.Connection, path: Path):
+        self.db, self.path = db, path
 
     def __enter__(self):
         self.depth = self.db.in_transaction
         if not self.depth:
-            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if _is_full(exc):
+                    raise _disk_full(self.path) from None
+                raise
         return self.db
 
     def __exit__(self, exc_type, exc, tb):
         if self.depth:
             return False
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        try:
+            if not exc_type:
+                self.db.execute("COMMIT")
+            elif self.db.in_transaction:  # SQLite may have rolled back already (a full disk can)
+                self.db.execute("ROLLBACK")
+        except sqlite3.OperationalError as failed:
+            if not _is_full(failed):
+                raise
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise _disk_full(self.path) from None
+        if _is_full(exc):
+            raise _disk_full(self.path) from None
         return False

@@ -25,8 +25,14 @@ class Recorder:
     def _metrics_append(self, record: dict) -> None:
         if not self.writes:
             return
-        with open(self.dir / "metrics.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+        path, line = self.dir / "metrics.jsonl", json.dumps(record) + "\n"
+        try:
+            with durable.open_append(path) as fh:  # never through a link planted in the run folder
+                fh.write(line)
+        except OSError as exc:
+            if not durable.is_no_space(exc):
+                raise
+            raise durable.disk_full(path, len(line), "a metrics line") from None  # a torn line: resume redoes it
         self.pending.append(record)
 
     def truncate_metrics(self, step: int) -> int:
