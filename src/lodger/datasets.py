@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from . import durable
 from .errors import DatasetError
 from .home import ledger_path
 
@@ -85,6 +86,9 @@ class DataUse:
 def identify(path: Path) -> FileIdentity:
     """Hash a file and count its lines in one pass (a last line without a newline still counts)."""
     path = Path(path).expanduser().resolve()
+    kind = durable.file_kind(path)
+    if kind:  # a FIFO would block the read forever, a device never end
+        raise DatasetError(f"{path} is {kind}, not a regular file; register a data file (JSONL) on disk")
     digest, size, lines, last = hashlib.sha256(), 0, 0, b"\n"
     try:
         with open(path, "rb") as fh:

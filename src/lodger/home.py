@@ -76,6 +76,40 @@ def run_dir(run_id: str) -> Path:
     return runs_dir() / run_id
 
 
+def links_out(folder: Path) -> list[tuple[Path, str]]:
+    """Symbolic links at or under ``folder`` whose target lies outside $LODGER_HOME, with their
+    targets (a link that stays inside the home is left alone)."""
+    root = home().resolve()
+    found = []
+    places = [Path(folder)] + ([p for p in Path(folder).rglob("*")] if Path(folder).is_dir() else [])
+    for path in places:  # rglob does not descend into linked folders, only lists them
+        if path.is_symlink():
+            target = Path(os.path.realpath(path))
+            if target != root and root not in target.parents:
+                found.append((path, os.readlink(path)))
+    return found
+
+
+def refuse_links_out(folder: Path, what: str) -> None:
+    """Raise RunStateError when ``folder`` is, or holds, a link out of $LODGER_HOME: what lodger
+    writes there (log lines, checkpoints, a pruned folder) or copies out of it (an export) would be
+    someone else's file. Checked before a command touches the folder."""
+    from .errors import RunStateError
+
+    found = links_out(folder)
+    if not found:
+        return
+    path, target = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    if path == Path(folder):
+        raise RunStateError(f"{what}: its folder {path} is a symbolic link to {target}, outside $LODGER_HOME "
+                            f"({home()}); lodger does not follow links out of its home. Move the folder back "
+                            f"(`rm {path} && mv {target} {path}`), or point LODGER_HOME at a home on that disk")
+    raise RunStateError(f"{what}: {path} is a symbolic link to {target}, outside $LODGER_HOME{more}; lodger "
+                        f"does not read or write through links out of its home. Remove it (`rm {path}`) or put "
+                        "the file itself there")
+
+
 def ledger_path() -> Path:
     """The ledger database. It is owner-only through the CLI's umask (and SQLite gives its -wal
     and -shm files the database file's mode)."""

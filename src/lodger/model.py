@@ -122,7 +122,41 @@ def resolve_folder(spec: str, path: Path) -> ModelSource:
     if not any(path.glob("*.safetensors")):
         raise ModelSourceError(f"[model] source = {spec!r}: no .safetensors weights in the folder "
                                "(lodger does not load pickled .bin weights)")
+    _refuse_remote_code(spec, path)
     return ModelSource(spec, "hf", path.resolve(), _folder_hash(path))
+
+
+def _refuse_remote_code(spec: str, path: Path) -> None:
+    """A folder whose config.json (or tokenizer_config.json) asks for code shipped with it (``auto_map``)
+    for a class transformers does not have is refused before anything loads: lodger never passes
+    ``trust_remote_code``, and transformers would otherwise stop to ask on the terminal. With a
+    class transformers has (``model_type`` "llama"), transformers' own code loads it and the map is
+    ignored."""
+    asks = {}
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            config = json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("auto_map"):
+            asks[name] = config
+    if not asks:
+        return
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    unknown = []
+    if "config.json" in asks and asks["config.json"].get("model_type") not in CONFIG_MAPPING_NAMES:
+        unknown.append(f"config.json: model_type {asks['config.json'].get('model_type')!r}")
+    tokenizer = asks.get("tokenizer_config.json", {}).get("tokenizer_class")
+    if "tokenizer_config.json" in asks and not (isinstance(tokenizer, str) and hasattr(transformers, tokenizer)):
+        unknown.append(f"tokenizer_config.json: tokenizer_class {tokenizer!r}")
+    if unknown:
+        wanted = "; ".join(f"{name} auto_map {json.dumps(config['auto_map'])}" for name, config in asks.items())
+        raise ModelSourceError(f"[model] source = {spec!r}: the model asks to run code shipped in its folder "
+                               f"({wanted}) for what transformers does not implement ({'; '.join(unknown)}); "
+                               "lodger never runs a model's own code (no trust_remote_code); fix: use a model "
+                               "whose architecture transformers implements")
 
 
 def resolve_source(spec: str, revision: str | None = None) -> ModelSource:
@@ -163,6 +197,10 @@ def _materialise_gguf(source: ModelSource) -> Path:
     folder = _gguf_cache(source)
     if (folder / "lodger-cache.json").is_file():
         return folder
+    problem = gguf_problem(source.path)
+    if problem:
+        raise ModelSourceError(f"[model] source = {source.spec!r}: {source.path} is not a usable GGUF file "
+                               f"({problem}); it may be truncated or damaged: copy or download it again")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from safetensors.torch import save_file
 
@@ -188,6 +226,24 @@ def _materialise_gguf(source: ModelSource) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(tmp, folder)
     return folder
+
+
+def gguf_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole GGUF file (its header, metadata and every tensor's bytes are read
+    in place by gguf's reader, which fails on a truncated file), or None."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        size = path.stat().st_size
+        ends = [int(t.data_offset) + int(t.n_bytes) for t in reader.tensors]
+    except Exception as exc:  # noqa: BLE001 - the reader raises what numpy and struct raise on short files
+        return f"{path.stat().st_size:,} bytes; its reader stopped: {type(exc).__name__}: {exc}"
+    if not ends:
+        return "it holds no tensors"
+    if max(ends) > size:
+        return f"its tensors need {max(ends):,} bytes, the file has {size:,}"
+    return None
 
 
 def model_folder(source: ModelSource) -> Path:

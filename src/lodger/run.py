@@ -25,7 +25,7 @@ from .data import make_sampler, read_jsonl, split_indices, tokenize
 from .preference import row_checker, tokenize_preference
 from .distributed import Ranks
 from .errors import DiskFull, LimitReached, PreflightError, RunStateError
-from .home import run_dir
+from .home import refuse_links_out, run_dir
 from .ledger import Ledger
 from .recovery import complete_ledger
 from .report import plural
@@ -383,6 +383,7 @@ def _write_provenance_json(folder: Path, segments: list[dict]) -> None:
 
 def resume_prepared(run_id: str, threads: int | None = None, world_size: int | None = None) -> Prepared:
     """Re-validate a run's recorded job for resuming (optionally at another thread count or world size)."""
+    refuse_links_out(run_dir(run_id), f"run {run_id}")
     path = run_dir(run_id) / JOB_FILE
     if not path.exists():
         raise RunStateError(f"run {run_id}: its job file {path} is missing; the ledger holds a copy "

@@ -151,7 +151,13 @@ def cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
         if isinstance(data.get(key), str) and data[key].startswith(DATASET_PREFIX):
             continue  # resolved through the registry (jobfile.py)
         if isinstance(data.get(key), str) and not (base_dir / data[key]).is_file():
-            problems.append(f"[data] {key} = {data[key]!r}: file not found at {(base_dir / data[key]).resolve()}; "
+            path = base_dir / data[key]
+            if path.exists():  # a FIFO would block the read forever, a device never end
+                kind = "a folder" if path.is_dir() else "not a regular file (a named pipe, a device or a socket)"
+                problems.append(f"[data] {key} = {data[key]!r}: {path.resolve()} is {kind}; fix: point it at a "
+                                "JSONL file")
+                continue
+            problems.append(f"[data] {key} = {data[key]!r}: file not found at {path.resolve()}; "
                             "fix the path (relative paths start at the job file's folder)")
     return problems
 

@@ -75,7 +75,7 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
                say: Callable[[str], None] = lambda _: None) -> dict:
     """Export ``run_id`` into the new folder ``dest``; returns the manifest."""
     from ..compare import final_weights, total_compute
-    from ..home import run_dir
+    from ..home import refuse_links_out, run_dir
     from ..ledger import Ledger
     from .base import describe_base
     from .gguf import check_supported
@@ -87,6 +87,7 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
         events, provenance = ledger.events(run["id"]), ledger.provenance(run["id"])
         evals, head = ledger.metrics(run["id"], "eval"), ledger.head()
     folder = run_dir(run["id"])
+    refuse_links_out(folder, f"run {run['id']}")  # an export must not carry a file from outside the run
     weights = final_weights(run["id"])
     if weights is None or not provenance:
         raise RunStateError(f"run {run['id']} has no trainable weights yet (no checkpoint committed)")
