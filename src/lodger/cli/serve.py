@@ -72,7 +72,7 @@ def serve(run_ids, adapters, model, host, port, token, no_auth, allow_hosts, max
     from ..serve.app import create_app
     from ..serve.auth import Guard, allowed_hosts, ensure_token, token_path
     from ..serve.engine import Engine
-    from ..serve.lease import InferenceLease
+    from ..serve.lease import InferenceLease, ServeClaim
 
     if no_auth and token:
         raise LodgerError("--no-auth and --token (or LODGER_API_TOKEN) contradict each other: choose one")
@@ -82,6 +82,9 @@ def serve(run_ids, adapters, model, host, port, token, no_auth, allow_hosts, max
     _log_to_stderr()
     with Ledger() as ledger:
         runs = [ledger.find_run(r) for r in run_ids]
+    url = f"http://{_url_host(host)}:{port}/v1"
+    _refuse_port_in_use(host, port)  # before the model loads: a second server on the port says so at once
+    claim = ServeClaim([r["id"] for r in runs], url)  # held until this process ends
     engine = Engine(_model_folder_for(runs, model), threads)
     for run in runs:
         engine.add_run(run["id"], run["method"])
@@ -99,8 +102,24 @@ def serve(run_ids, adapters, model, host, port, token, no_auth, allow_hosts, max
             click.echo(f"created the API token in {token_path()} (owner-only; shown once):\n  {token}")
     guard = Guard(None if no_auth else token, allowed_hosts(host, port, tuple(allow_hosts)))
     app = create_app(engine, guard=guard, max_queue=max_queue, lease=InferenceLease(enabled=not no_yield))
-    click.echo(f"serving {', '.join(engine.slots)} on http://{_url_host(host)}:{port}/v1")
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    click.echo(f"serving {', '.join(engine.slots)} on {url}")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        claim.release()
+
+
+def _refuse_port_in_use(host: str, port: int) -> None:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise LodgerError(f"--port {port}: {host}:{port} is in use ({exc.strerror}); another `lodger serve`? "
+                              "Choose another --port, or stop what listens there") from None
 
 
 def _url_host(host: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from .generation import Generation, Job, Outcome, add, budget, rules_of, usage_of
+from .generation import Generation, Job, Outcome, add, budget, refuse_overlong, rules_of, usage_of
 from .schema import ApiError, ChatRequest, CompletionRequest
 from .shapes import chat_logprobs, completion_logprobs
 from .structured import grammar_of
@@ -41,6 +41,7 @@ async def chat(request: Request, state, body: ChatRequest):
     except Exception as exc:  # noqa: BLE001 (templates raise on conversations they do not take)
         raise ApiError(400, f"messages: the model's chat template refuses this conversation ({type(exc).__name__}: "
                        f"{exc})", param="messages", code="invalid_value") from None
+    refuse_overlong(engine, prompt_text, "messages")
     ids = engine.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     job = Job(body.model, ids, budget(engine, body, ids, "messages"), rules_of(engine, body, body.report()),
               body.stops(), grammar)
@@ -128,6 +129,8 @@ def completion_jobs(engine, body: CompletionRequest) -> list[tuple[Job, str]]:
     for prompt in prompts:
         if isinstance(prompt, list) and any(not 0 <= t < engine.vocab for t in prompt):
             raise ApiError(400, f"prompt: token ids are 0 to {engine.vocab - 1}", param="prompt", code="invalid_value")
+        if isinstance(prompt, str):
+            refuse_overlong(engine, prompt, "prompt")
         ids, text, offsets = engine.encode_prompt(prompt)
         if not ids:
             raise ApiError(400, "prompt: it encodes to no tokens", param="prompt", code="invalid_value")

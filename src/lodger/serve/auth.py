@@ -28,6 +28,10 @@ LOG = logging.getLogger("lodger.serve")
 TOKEN_FILE = "serve-token"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 PUBLIC_PATHS = ("/health",)  # answered without a token, revealing liveness only
+MAX_BODY_BYTES = 4 * 2**20
+"""The largest request body read: several times the longest prompt a 128k-token context holds, as
+text or as token ids. A larger one is a 413 before more of it is read (a 50 MB body once made the
+server tokenise 50 M tokens and peak at 9.7 GB)."""
 
 
 def token_path() -> Path:
@@ -145,7 +149,12 @@ class GuardMiddleware:
                 return await _send_error(send_logged, 401, "missing or wrong API token: send `Authorization: "
                                          "Bearer <token>` with the token in $LODGER_HOME/serve-token",
                                          "authentication_error", "invalid_api_key")
-            await self.app(scope, receive, send_logged)
+            body = await _bounded_body(scope, receive)
+            if body is None:
+                return await _send_error(send_logged, 413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB, "
+                                         "the most this server reads: send a shorter prompt", "invalid_request_error",
+                                         "request_too_large")
+            await self.app(scope, _replay(body, receive), send_logged)
         finally:
             _log_request(scope, status["code"], time.monotonic() - started)
 
@@ -155,6 +164,35 @@ class GuardMiddleware:
             return (421, f"this server does not answer for Host `{host[:100]}`: use http://127.0.0.1:PORT "
                     "(or pass --allow-host NAME to `lodger serve`)", "invalid_request_error", "host_not_allowed")
         return None
+
+
+async def _bounded_body(scope, receive) -> list | None:
+    """The request's body messages, read whole before the app sees them, or None once they pass
+    MAX_BODY_BYTES (a Content-Length over it is refused before a byte is read)."""
+    length = _header(scope, b"content-length")
+    if length is not None and length.strip().isdigit() and int(length) > MAX_BODY_BYTES:
+        return None
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages  # the client left: the app sees that, as it would have
+        size += len(message.get("body", b""))
+        if size > MAX_BODY_BYTES:
+            return None
+        if not message.get("more_body"):
+            return messages
+
+
+def _replay(messages: list, receive):
+    """A receive that hands the app the body already read, then listens to the client again."""
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
 
 
 def _header(scope, name: bytes) -> str | None:

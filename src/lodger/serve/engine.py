@@ -162,6 +162,13 @@ class Engine:
 
         return Vocabulary(self.tokenizer, self.vocab)
 
+    @functools.cached_property
+    def token_bytes_bound(self) -> int:
+        """No token stands for more bytes of text than this: the longest vocabulary entry (special
+        tokens included) in UTF-8, doubled for what a normaliser may fold. So a text of N bytes is
+        at least N // bound tokens, known before tokenising it."""
+        return 2 * max((len(t.encode("utf-8")) for t in self.tokenizer.get_vocab()), default=1)
+
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.tokenizer(self.chat_text(messages, tools), add_special_tokens=False)["input_ids"]
 

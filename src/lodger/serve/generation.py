@@ -44,6 +44,15 @@ class Outcome:
     prompt: list[TokenInfo] = field(default_factory=list)
 
 
+def refuse_overlong(engine, text: str, param: str) -> None:
+    """A 400 for a text that holds more tokens than the context at the least, before it is tokenised:
+    tokenising costs memory by the character (hundreds of bytes each), not by what fits."""
+    fewest = len(text.encode("utf-8", "replace")) // engine.token_bytes_bound
+    if fewest > engine.context_length:
+        raise ApiError(400, f"the prompt has at least {fewest} tokens; the model's context length is "
+                       f"{engine.context_length}: shorten the prompt", param=param, code="context_length_exceeded")
+
+
 def budget(engine, body: Sampling, prompt_ids: list[int], param: str) -> int:
     room = engine.context_length - len(prompt_ids)
     wanted = body.budget()

@@ -124,3 +124,55 @@ class InferenceLease:
         with self.lock:
             for run_id in list(self.holding):
                 self._release(run_id)
+
+
+SERVE_LOCK = "serve.lock"
+
+
+class ServeClaim:
+    """One server per run: `lodger serve --run R` holds ``runs/R/serve.lock`` (an flock the kernel drops
+    when the server dies) for its lifetime. Two servers of one run would each withdraw the inference
+    hold the other asked for (they share the run's ``serve`` request), so the second is refused,
+    naming the first, before it loads anything."""
+
+    def __init__(self, run_ids: list[str], url: str):
+        self.files = []
+        try:
+            for run_id in run_ids:
+                self.files.append(self._claim(run_id, url))
+        except BaseException:
+            self.release()
+            raise
+
+    @staticmethod
+    def _claim(run_id: str, url: str):
+        import fcntl
+        import json
+        import os
+
+        from ..errors import RunStateError
+        from ..runlock import process_start
+
+        fh = open(run_dir(run_id) / SERVE_LOCK, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            try:
+                record = json.loads(fh.read())
+            except ValueError:
+                record = {}
+            fh.close()
+            raise RunStateError(f"run {run_id} is already served by pid {record.get('pid', '?')} at "
+                                f"{record.get('url', 'an unknown address')}; one server per run (two would each "
+                                "withdraw the other's hold on training): use that one, or stop it first") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps({"pid": os.getpid(), "start": process_start(os.getpid()), "url": url}))
+        fh.flush()
+        return fh
+
+    def release(self) -> None:
+        for fh in self.files:
+            fh.close()
+        self.files = []
