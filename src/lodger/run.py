@@ -156,6 +156,7 @@ def take_run(run_id: str) -> tuple[Control, RunLock]:
     the lock names our pid, a pause request is caught, not fatal). A detached worker does this
     before validating and tokenising, so a pause sent while it starts is answered, not refused."""
     folder = run_dir(run_id)
+    durable.fault_point("before_take_run")  # a test freezes a command here, between its checks and the lock
     # A limit is judged afresh by every process (`lodger resume` clears the user's and the agent's
     # requests itself; a user's hold survives a reboot).
     clear_request(folder, "limit")
@@ -213,6 +214,12 @@ def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ra
     control, lock = taken or take_run(run_id)
     ledger = Ledger()
     try:
+        _refuse_taken_meanwhile(ledger, run_id, resuming)
+    except RunStateError:  # nothing of this process's was recorded: the run is someone else's to tell
+        ledger.close()
+        lock.release()
+        raise
+    try:
         session = Session(run_id, prepared, ledger, quiet=quiet, control=control, ranks=ranks)
     except Exception as exc:  # e.g. out of memory while loading: recorded, not silently left "created"
         ledger.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}", step=0)
@@ -249,6 +256,18 @@ def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ra
         reporter.close()
         ledger.close()
         lock.release()
+
+
+def _refuse_taken_meanwhile(ledger: Ledger, run_id: str, resuming: bool) -> None:
+    """This process holds the run's lock now, but its checks were made before: another process may
+    have started (or finished) the run in between. A fresh start needs a run nobody started; a
+    resume, one that has not finished. Otherwise it stops here, having changed nothing."""
+    run = ledger.run(run_id)
+    started = any(e["kind"] in ("started", "resumed") for e in ledger.events(run_id))
+    if (not resuming and started) or (resuming and run["status"] == "finished"):
+        what = "finished" if run["status"] == "finished" else f"{run['status']} at step {run['step']}"
+        raise RunStateError(f"run {run_id} was {'started' if not resuming else 'finished'} by another process "
+                            f"meanwhile (it is {what}); this one did nothing: `lodger show {run_id}`")
 
 
 def _record_failure(ledger: Ledger, run_id: str, exc: BaseException, step: int) -> bool:
