@@ -171,6 +171,7 @@ def add(path: Path, *, name: str, license: str, owner: str, may_train: bool = Tr
     ident = identify(path)
     from .ledger import Ledger
 
+    durable.fault_point("dataset_before_ledger")
     with Ledger() as ledger, ledger.transaction():
         registry = {d.name: d for d in list_datasets(ledger)}
         existing = registry.get(name)

@@ -191,6 +191,7 @@ def atomic_write(path: Path, data: bytes) -> None:
         write_file(tmp, data)
     except DiskFull as exc:  # name the file the user knows, not its hidden sibling
         raise exc.explain(path=path) from None
+    fault_point("atomic_before_rename")
     rename(tmp, path)
     fsync_dir(path.parent)
 
@@ -217,6 +218,7 @@ def write_folder(final: Path, files: dict, tmp_prefix: str = ".tmp-", replace: b
         sizes = [len(d) for d in files.values() if isinstance(d, (bytes, bytearray, memoryview))]
         raise disk_full(final, sum(sizes) if len(sizes) == len(files) else None) from None
     fsync_dir(tmp)
+    fault_point("folder_before_rename")
     if final.exists():
         remove_tree(final)
     rename(tmp, final)

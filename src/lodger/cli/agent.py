@@ -78,12 +78,14 @@ def queue_add(job: Path, priority: int) -> None:
     from ..tomlfile import to_toml
     from ..jobfile import load_job
     from ..data import read_jsonl
+    from ..faults import fault_point
     from ..ledger import Ledger
 
     parsed = load_job(job)
     for path in (parsed.data.train, parsed.data.eval):
         if path is not None:
             read_jsonl(path)  # every line checked now, not hours later when it starts
+    fault_point("queue_before_ledger")
     with Ledger() as ledger:
         queue_id = ledger.enqueue(parsed.name or job.stem, str(job.resolve()), to_toml(parsed.resolved_dict()), priority)
     click.echo(f"queued #{queue_id} ({parsed.name or job.stem}, priority {priority})")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..durable import free_bytes, is_no_space
+from ..faults import fault_point
 from ..errors import DiskFull, ExportError, RunStateError, size_text
 
 FORMATS = ("peft", "merged", "gguf")
@@ -99,6 +100,7 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
     if "gguf" in formats:  # before anything is written
         check_supported(json.loads((base.folder / "config.json").read_text()), outtype)
     parts = {f: "." if len(formats) == 1 else f for f in formats}
+    _remove_unfinished(dest, say)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
     free_before = free_bytes(dest.parent)
     try:
@@ -110,6 +112,7 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
 
         manifest = write_manifest(tmp, run_id=run["id"], formats=formats, ledger_head=head,
                                   extra={"outtype": outtype} if "gguf" in formats else {})
+        fault_point("export_before_publish")
         publish(tmp, dest)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,6 +128,26 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
         ledger.event(run["id"], "exported", path=str(dest.resolve()), formats=formats,
                      ledger_head=head["hash"], files=len(manifest["files"]))
     return manifest
+
+
+def _remove_unfinished(dest: Path, say: Callable[[str], None]) -> None:
+    """The hidden folders an earlier export to ``dest`` left when it was killed (its process is gone):
+    never published, so never taken for an export; removed now, and said."""
+    for tmp in sorted(dest.parent.glob(f".{dest.name}.tmp-*")):
+        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)) and tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+            say(f"removed {tmp}, what an export to {dest} killed before it finished had written (never published)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
 
 
 def _room_needed(folder: Path, weights: Path, base_folder: Path, formats: list[str]) -> int:
