@@ -130,6 +130,12 @@ def read_reply(content: RecordDict, node_id: int) -> Reply:
         raise FederatedError(f"{what} ({reply.client_id}): {reply.tokens} tokens over {reply.steps} steps; refused")
     if tensors_sha256(reply.tensors) != reply.sha256:
         raise FederatedError(f"{what} ({reply.client_id}): the adapter does not hash to the sha256 it claims; refused")
+    bad = {name: int(t.size - np.count_nonzero(np.isfinite(t))) for name, t in reply.tensors.items()}
+    bad = {name: n for name, n in bad.items() if n}
+    if bad:  # one NaN in a FedAvg makes the whole global adapter NaN
+        name = sorted(bad)[0]
+        raise FederatedError(f"{what} ({reply.client_id}): {sum(bad.values())} non-finite value(s) in its adapter "
+                             f"(first in {name}); refused")
     return reply
 
 

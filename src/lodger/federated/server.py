@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..config import JobConfig, describe, read_toml
 from ..errors import FederatedError
-from .aggregate import Update, fedavg, tensors_bytes, tensors_sha256
+from .aggregate import Update, check_same_layout, fedavg, tensors_bytes, tensors_sha256
 from .privacy import mechanism
 from .rounds import Committed, RoundStore
 from .sampling import Roster
@@ -132,11 +132,13 @@ def identify(grid, roster: Roster, nodes: list[int], timeout: float) -> None:
             continue  # a garbled answer: the node stays unknown, so it is not sampled
 
 
-def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committed, roster: Roster | None = None):
-    """Send the round to the sampled nodes; return (good replies as Updates, declines by node)."""
+def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committed, roster: Roster | None = None,
+              seen: set[str] = frozenset()):
+    """Send the round to the sampled nodes; return (good replies as Updates, declines by node).
+    ``seen``: the sha256 of every update aggregated in an earlier round (a replay is refused)."""
     from flwr.app import Message
 
-    from .messages import read_reply, round_content
+    from .messages import round_content
 
     fed = job.federated
     nodes = wait_for_nodes(grid, fed.min_clients, fed.round_timeout_seconds)
@@ -149,27 +151,73 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
     # An error the SuperLink answers for a node (e.g. "node unavailable": no heartbeat) comes from
     # the SuperLink itself; the message it answers says which node it was for.
     sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+    arrived = [(sent_to.get(r.metadata.reply_to_message_id, r.metadata.src_node_id),
+                r.error.reason[-500:] if r.has_error() else r.content) for r in replies]
+    good, declined = take_replies(arrived, current, roster, seen)
+    answered = {str(n) for _, n in good} | set(declined)
+    for node in chosen:
+        if str(node) not in answered:
+            declined[str(node)] = f"no reply within {fed.round_timeout_seconds:.0f} s"
+    return good, declined
+
+
+def take_replies(arrived: list, current: Committed, roster: Roster, seen: set[str] = frozenset()):
+    """(good (Reply, node) pairs, declines by node) of a round's replies, each (node, its content or
+    the error Flower answered for it). A reply is refused, with the reason recorded, when it does not
+    read (names, dtypes, hash, non-finite values: messages.read_reply), trained from another global
+    adapter, repeats an update an earlier round aggregated, or has another layout than the global
+    adapter (in a first round, than most replies): the round goes on with the others."""
+    from .messages import read_reply
+
     good, declined = [], {}
-    for reply in replies:
-        node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-        if reply.has_error():
-            declined[str(node)] = reply.error.reason[-500:]
+    order_sha = tensors_sha256(current.tensors)
+    for node, content in arrived:
+        if isinstance(content, str):
+            declined[str(node)] = content
             continue
         try:
-            r = read_reply(reply.content, node)
+            r = read_reply(content, node)
         except FederatedError as exc:
             declined[str(node)] = str(exc)
             continue
         roster.learn(node, r.client_id)
         if r.started_from != order_sha:  # trained from another global adapter: not this round's work
             declined[str(node)] = f"{r.client_id} trained from {r.started_from[:12]}, not this round's adapter"
-            continue
-        good.append((r, node))
-    answered = {str(n) for _, n in good} | set(declined)
-    for node in chosen:
-        if str(node) not in answered:
-            declined[str(node)] = f"no reply within {fed.round_timeout_seconds:.0f} s"
-    return good, declined
+        elif r.sha256 in seen:
+            declined[str(node)] = (f"{r.client_id} sent an update an earlier round already aggregated (sha256 "
+                                   f"{r.sha256[:16]}...): a replay; refused")
+        else:
+            good.append((r, node))
+    return _same_layout(good, declined, current.tensors)
+
+
+def _same_layout(good: list, declined: dict, reference: dict):
+    """Replies whose tensors' names, shapes and dtypes are not the global adapter's (or, with none yet,
+    those most replies share) are declined one by one, not the whole round. A first round whose
+    replies split evenly between layouts has no majority: all of them are declined."""
+    reference = reference or _majority([r.tensors for r, _ in good])
+    kept = []
+    for r, node in good:
+        try:
+            if reference is None:
+                raise FederatedError(f"client {r.client_id!r}: the first round's replies disagree on the adapter's "
+                                     "layout, none shared by most; refused (every client must train the job's [method])")
+            check_same_layout([Update(r.client_id, r.tokens, r.tensors)], reference)
+            kept.append((r, node))
+        except FederatedError as exc:
+            declined[str(node)] = f"{exc} ({tensors_bytes(r.tensors):,} bytes sent)"
+    return kept, declined
+
+
+def _majority(adapters: list[dict]) -> dict | None:
+    """The adapter whose layout most of ``adapters`` share, or None on a tie (or none at all)."""
+    from collections import Counter
+
+    layouts = [tuple(sorted((k, v.shape, v.dtype.str) for k, v in t.items())) for t in adapters]
+    top = Counter(layouts).most_common(2)
+    if not top or (len(top) > 1 and top[0][1] == top[1][1]):
+        return None
+    return adapters[layouts.index(top[0][0])]
 
 
 def run_server(grid, run_config: dict, flower_run: str | None = None) -> Committed:
@@ -273,7 +321,9 @@ def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: Roun
 
             good, declined, secure = secure_round(grid, job, job_id, round_no, current, roster)
         else:
-            good, declined = ask_round(grid, job, job_id, round_no, current, roster)
+            seen = {p.get("sha256") for e in ledger.events_of_kinds(("federated_round",))
+                    if e["data"].get("job_id") == job_id for p in e["data"].get("participants", ())}
+            good, declined = ask_round(grid, job, job_id, round_no, current, roster, seen)
         if len(good) >= fed.min_clients:
             break
         ledger.event(None, "federated_round_short", job_id=job_id, round=round_no, attempt=attempt,
