@@ -109,8 +109,10 @@ class Comparison:
         return self.__dict__ | {"job_differences": {k: list(v) for k, v in self.job_differences.items()}}
 
 
-def compare_runs(a: str, b: str, tolerance: float = 1e-5) -> Comparison:
-    """Everything that explains whether runs ``a`` and ``b`` computed the same thing."""
+def compare_runs(a: str, b: str, tolerance: float = 1e-5, against: Path | None = None) -> Comparison:
+    """Everything that explains whether runs ``a`` and ``b`` computed the same thing. ``against``: a
+    witness file; records it no longer confirms make the comparison untrustworthy, like rows the
+    chain does not confirm."""
     with Ledger() as ledger:
         ra, rb = ledger.find_run(a), ledger.find_run(b)
         a, b = ra["id"], rb["id"]
@@ -121,6 +123,10 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5) -> Comparison:
         la, lb = {m["step"]: m["loss"] for m in ma}, {m["step"]: m["loss"] for m in mb}
         c.preference = {run: _preference_series(rows) for run, rows in ((a, ma), (b, mb))}
         c.untrusted = [f"{p.where()}: {p.problem}" for p in ledger.run_problems([a, b])]
+        if against is not None:
+            from .ledger.witness import unconfirmed
+
+            c.untrusted += unconfirmed(ledger, against, ea + eb)[1]
         c.evals = {a: [(m["step"], m["eval_loss"]) for m in ledger.metrics(a, "eval")],
                    b: [(m["step"], m["eval_loss"]) for m in ledger.metrics(b, "eval")]}
     ja, jb = flatten(tomllib.loads(ra["job_toml"])), flatten(tomllib.loads(rb["job_toml"]))

@@ -84,7 +84,11 @@ def _compare_federated(a: str, b: str, as_json: bool) -> None:
               help="Write a PNG: both loss curves with interruptions and resumes marked, the eval losses, "
                    "and the per-step loss difference when the runs are not bitwise equal.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def compare(run_id: str, other: str, tolerance: float, plot_path: Path | None, as_json: bool) -> None:
+@click.option("--against", "against", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A witness file (`lodger audit --witness`): records it no longer confirms make the verdict "
+                   "'not trustworthy'.")
+def compare(run_id: str, other: str, tolerance: float, plot_path: Path | None, as_json: bool,
+            against: Path | None) -> None:
     """Compare RUN with OTHER (e.g. a resumed run with its baseline) and give a verdict.
 
     Shows differences in job, environment and data, per-step losses side by side, eval losses,
@@ -107,7 +111,7 @@ def compare(run_id: str, other: str, tolerance: float, plot_path: Path | None, a
         _compare_federated(run_id, other, as_json)
         return
 
-    c = compare_runs(run_id, other, tolerance)
+    c = compare_runs(run_id, other, tolerance, against)
     _print_comparison(c, as_json)
     if plot_path:
         plot(c, plot_path)

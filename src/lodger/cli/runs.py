@@ -110,13 +110,20 @@ def ls(as_json: bool) -> None:
 @click.command()
 @click.argument("run_id", metavar="RUN")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def show(run_id: str, as_json: bool) -> None:
+@click.option("--against", "against", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A witness file (`lodger audit --witness`): records it no longer confirms are marked UNVERIFIED.")
+def show(run_id: str, as_json: bool, against: Path | None) -> None:
     """Status, progress, last good checkpoint, latest metrics, provenance and events of RUN.
 
-    Example: lodger show my-job-20261129-101500-ab12
+    Rows the hash chain does not confirm are named first, in a WARNING; with --against a witness
+    file, so are the records after the newest witnessed head still in the chain (a forger who
+    rewrote the chain, or an older copy of ledger.db put back), and each such event is marked.
+
+    Example: lodger show my-job-20261129-101500-ab12 --against ~/backup/lodger-heads.jsonl
     """
     from ..home import run_dir
     from ..ledger import Ledger
+    from ..ledger.witness import unconfirmed
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
@@ -126,6 +133,10 @@ def show(run_id: str, as_json: bool) -> None:
         train = ledger.metrics(run["id"], "train")
         evals = ledger.metrics(run["id"], "eval")
         untrusted = [f"{p.where()}: {p.problem}" for p in ledger.run_problems([run["id"]])]
+        through, witness = unconfirmed(ledger, against, events) if against else (None, [])
+    untrusted += witness
+    for e in events:  # a record the witness cannot vouch for is not shown as fact
+        e["verified"] = through is None or e["seq"] <= through
     run["status"] = live_status(run)
     folder = run_dir(run["id"])
     checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
@@ -141,11 +152,12 @@ def show(run_id: str, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=1, default=str))
         return
     for problem in untrusted:  # say it first: what follows comes from rows the chain does not confirm
-        click.echo(f"WARNING   {problem}; run `lodger audit`", err=True)
+        click.echo(f"WARNING   {problem}; run `lodger audit`" + (f" --against {against}" if against else ""), err=True)
     as_of = f", as last synced: cluster at {stale[run['id']]} unreachable" if run["id"] in stale else ""
     click.echo(f"run       {run['id']}  ({run['status']}{as_of})")
     newest = f"; newest checkpoint at step {now['checkpoint_step']}" if now["checkpoint_step"] != now["step"] else ""
-    click.echo(f"progress  step {now['step']}/{run['total_steps']}  loss {loss_text(now['loss'])}{newest}")
+    doubt = "  UNVERIFIED (see the WARNING)" if any(not e["verified"] for e in events) else ""
+    click.echo(f"progress  step {now['step']}/{run['total_steps']}  loss {loss_text(now['loss'])}{newest}{doubt}")
     click.echo(f"model     {run['model']}  method {run['method']}")
     if run.get("target"):
         click.echo(f"remote    target {run['target']}  Ray submission {run['remote_job_id']}")
@@ -168,6 +180,12 @@ def show(run_id: str, as_json: bool) -> None:
                    f"{' (dirty)' if code.get('dirty') else ''}")
         click.echo(f"            model sha256 {p['model']['sha256'][:16]}  train sha256 "
                    f"{p['data']['train']['sha256'][:16]}")
+    _print_memory(events)
+    _print_events(events)
+
+
+def _print_memory(events: list[dict]) -> None:
+    """The memory estimate beside the measured peak, and the checkpoint interval's reasoning."""
     created = next((e["data"] for e in events if e["kind"] == "created"), {})
     estimate = created.get("memory_estimate")
     # A GPU estimate is of GPU memory: compare it with the GPU's peak, not the process's resident set.
@@ -183,11 +201,15 @@ def show(run_id: str, as_json: bool) -> None:
         from ..ckpt_interval import describe_event
 
         click.echo(f"interval  {describe_event(interval)}")
+
+
+def _print_events(events: list[dict]) -> None:
     click.echo("events:")
     for e in events:
         data = ", ".join(f"{k}={_human(v)}" for k, v in e["data"].items()
                          if k not in ("compute", "memory_estimate", "measured"))
-        click.echo(f"  {_when(e['time'])}  {e['kind']:<18} {data}")
+        mark = "" if e.get("verified", True) else "UNVERIFIED "
+        click.echo(f"  {mark}{_when(e['time'])}  {e['kind']:<18} {data}")
 
 
 def preference_text(record: dict | None, prefix: str = "") -> str:

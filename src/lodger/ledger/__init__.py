@@ -397,10 +397,14 @@ class Ledger:
                 f"SELECT run_id, kind, step, segment, data FROM metrics WHERE run_id IN ({marks})", run_ids)]
             prov = [tuple(r) for r in self.db.execute(
                 f"SELECT run_id, segment, data FROM provenance WHERE run_id IN ({marks})", run_ids)]
+            links = {r["seq"]: (r["prev_hash"], r["hash"]) for r in self.db.execute(
+                f"SELECT seq, prev_hash, hash FROM events WHERE seq IN (SELECT seq - 1 FROM events WHERE run_id IN "
+                f"({marks}) UNION SELECT seq + 1 FROM events WHERE run_id IN ({marks}))", run_ids + run_ids)}
         finally:
             self.db.execute("COMMIT")
         derived = records.Records(since_seq=since[0] if since else 0).replay(events)
-        return derived.compare_runs(runs) + derived.compare_metrics(metrics) + derived.compare_provenance(prov)
+        return (_chain_problems(events, links) + derived.compare_runs(runs) + derived.compare_metrics(metrics)
+                + derived.compare_provenance(prov))
 
     def last_event(self, run_id: str, kind: str) -> dict | None:
         row = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? ORDER BY seq DESC LIMIT 1",
@@ -411,6 +415,25 @@ class Ledger:
         rows = self.db.execute("SELECT segment, data FROM provenance WHERE run_id=? ORDER BY segment",
                                (run_id,)).fetchall()
         return [json.loads(r["data"]) for r in rows]
+
+
+def _chain_problems(events: list[dict], links: dict[int, tuple[str, str]]) -> list[RecordProblem]:
+    """The chain where it touches these events: each one's hash over its content, and its links to
+    the rows on either side (``links``: their prev_hash and hash). An event edited in place, or
+    edited with its own hash recomputed but not the rest of the chain, is named; a forger who
+    recomputes every later hash is not (only a witness catches that: witness.py)."""
+    problems = []
+    for e in events:
+        seq, why = e["seq"], None
+        if event_hash(e["prev_hash"], seq, e["run_id"], e["time"], e["kind"], e["data"]) != e["hash"]:
+            why = "its content does not match its hash (edited)"
+        elif seq > 1 and (seq - 1 not in links or links[seq - 1][1] != e["prev_hash"]):
+            why = "does not link to the row before it (that row was changed or deleted)"
+        elif seq + 1 in links and links[seq + 1][0] != e["hash"]:
+            why = "the row after it does not link to it (it was rewritten)"
+        if why:
+            problems.append(RecordProblem("events", f"row {seq} ({e['kind']})", why, seq=seq))
+    return problems
 
 
 LEDGER_ROOM = 1 << 20

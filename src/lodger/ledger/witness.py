@@ -82,6 +82,28 @@ def check_against(ledger, path: Path, public_key: Path | None = None) -> tuple[i
 
     Returns (lines checked, problems), each problem naming the file and line. A rewritten event at
     or before a witnessed seq changes that seq's hash; a cut-off chain lacks the seq."""
+    count, problems, _ = witness_check(ledger, path, public_key)
+    return count, problems
+
+
+def unconfirmed(ledger, path: Path, events: list[dict], public_key: Path | None = None) -> tuple[int | None, list[str]]:
+    """What a reader of ``events`` (`show`, `compare`) must not present as fact, by the witness file:
+    (the newest row the file still confirms, or None when it confirms everything it witnessed; the
+    problems). When a witnessed head is no longer in the chain, every event after the newest head
+    that still is may have been rewritten, and the records those events explain with it."""
+    _, problems, through = witness_check(ledger, path, public_key)
+    if not problems:
+        return None, []
+    later = [e for e in events if e["seq"] > through]
+    if not later:
+        return through, []
+    return through, [f"{len(later)} record(s) after row {through} are not confirmed by the witness file: {p}"
+                     for p in problems[:1]] + problems[1:]
+
+
+def witness_check(ledger, path: Path, public_key: Path | None = None) -> tuple[int, list[str], int]:
+    """(lines checked, problems, the newest witnessed row still in today's chain with its hash: the
+    chain up to it is proven unchanged; 0 when none is)."""
     path = Path(path).expanduser()
     try:
         text = path.read_text(encoding="utf-8")
@@ -89,7 +111,7 @@ def check_against(ledger, path: Path, public_key: Path | None = None) -> tuple[i
         raise LedgerError(f"--against {path}: cannot read the witness file: {exc}") from None
     verify = _load_key(public_key, private=False) if public_key is not None else None
     last = ledger.head()["seq"]
-    problems, count = [], 0
+    problems, count, through = [], 0, 0
     for number, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
             continue
@@ -112,7 +134,9 @@ def check_against(ledger, path: Path, public_key: Path | None = None) -> tuple[i
         elif found != digest:
             problems.append(f"{where}: row {seq} now has hash {found[:16]}..., witnessed {digest[:16]}...: the chain "
                             f"was rewritten at or before row {seq} (and its hashes recomputed)")
-    return count, problems
+        elif verify is None or not problems or not problems[-1].startswith(where + ":"):
+            through = max(through, seq)
+    return count, problems, through
 
 
 def _signature_problems(verify, line: dict, where: str) -> list[str]:
