@@ -126,7 +126,7 @@ def test_a_50_mb_body_is_a_413_and_the_servers_memory_stays_bounded(served):
     (CHAT, {"messages": [{"role": "user", "content": "red cat " * 5000}]}, "messages"),
     ("/v1/completions", {"prompt": "red cat " * 5000}, "prompt"),
     (CHAT, {"messages": [{"role": "user", "content": "red cat " * 300}]}, "messages"),
-])
+], ids=["chat_far_past", "completion_far_past", "chat_just_past"])
 def test_a_prompt_past_the_context_length_is_a_400(served, path, body, param):
     """context_length_exceeded, naming the field (far past: refused before tokenising; just past: counted)"""
     response = served.server.post(path, {"model": served.run_id, "max_tokens": 4, **body})

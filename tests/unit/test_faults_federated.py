@@ -173,8 +173,8 @@ for round_no in (1, 2, 3):
 """
 
 
-@pytest.mark.parametrize("fault, newest, recorded", [("before_rename@2", 1, [1]),
-                                                      ("before_dir_fsync@2", 2, [1])])
+@pytest.mark.parametrize("fault, newest, recorded", [("before_rename@2", 1, [1]), ("before_dir_fsync@2", 2, [1])],
+                         ids=["before_the_rename", "after_the_rename_before_the_ledger"])
 def test_a_server_killed_while_committing_a_round_restarts_from_the_newest_whole_one(tmp_path, fault, newest,
                                                                                      recorded):
     """SIGKILL mid-commit: a round not renamed into place does not exist; one renamed but not recorded is

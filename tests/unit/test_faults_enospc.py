@@ -22,6 +22,7 @@ def disk(tmp_path):
 
 
 def test_a_file_that_does_not_fit_is_removed_and_the_error_names_it_with_its_size(disk):
+    """durable.write_file on a full tmpfs: DiskFull naming the file, its size and the free space; no partial file"""
     fill(disk)
     free_now = durable.free_bytes(disk)
     with pytest.raises(DiskFull) as caught:
@@ -33,6 +34,7 @@ def test_a_file_that_does_not_fit_is_removed_and_the_error_names_it_with_its_siz
 
 
 def test_an_atomic_replace_that_does_not_fit_keeps_the_old_content(disk):
+    """durable.atomic_write: the old content stays, no hidden sibling, the error names the file"""
     durable.atomic_write(disk / "state.json", b"old")
     fill(disk)
     with pytest.raises(DiskFull) as caught:
@@ -43,6 +45,7 @@ def test_an_atomic_replace_that_does_not_fit_keeps_the_old_content(disk):
 
 
 def test_a_folder_that_does_not_fit_never_appears_and_leaves_no_hidden_sibling(disk):
+    """durable.write_folder: the folder never appears, its hidden sibling is removed, the need is named"""
     fill(disk)
     with pytest.raises(DiskFull) as caught:
         durable.write_folder(disk / "out", {"a": b"1" * 50_000, "b": b"2" * 50_000})
@@ -51,6 +54,7 @@ def test_a_folder_that_does_not_fit_never_appears_and_leaves_no_hidden_sibling(d
 
 
 def test_a_checkpoint_that_does_not_fit_leaves_the_committed_ones_and_its_space(disk):
+    """CheckpointStore.save: committed checkpoints untouched, the half-written one removed; saves once freed"""
     store = CheckpointStore(disk / "checkpoints", keep_last=2)
     store.save(1, {"state.json": b"{}"})
     fill(disk)
@@ -65,6 +69,7 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_committed_ones_and_its_space(
 
 
 def test_a_ledger_write_on_a_full_disk_is_rolled_back_whole_and_names_ledger_db(disk):
+    """a ledger transaction on a full disk: DiskFull naming ledger.db, the chain intact, writes go on once freed"""
     path = disk / "ledger.db"
     with Ledger(path) as ledger:
         ledger.event(None, "warning", text="before")
