@@ -130,7 +130,7 @@ def _write_formats(run, folder, weights, base, formats, parts, outtype, tmp: Pat
 
     if "peft" in formats:
         write_peft(weights, base, tmp / parts["peft"])
-        say("peft: adapter, tokenizer")
+        say("peft: adapter, tokenizer" + (", base/ (the base's weights, shipped)" if base.ship else ""))
     if "merged" not in formats and "gguf" not in formats:
         return None
     model = merged_model(base.folder, _method(folder), weights)
