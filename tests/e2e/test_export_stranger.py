@@ -4,7 +4,8 @@ loads (a) the adapter on the base the export ships, (b) merged/ with its tokeniz
 template, (c) the GGUF in llama.cpp, and all of them compute what lodger's own model computes; (d)
 the Modelfile parses by Ollama's grammar (tests/modelfile_grammar.py) with FROM, a TEMPLATE that
 renders as the chat template, and PARAMETER stop lines; the card lists every file's sha256 and the
-chat template's. SmolLM2 does (a)-(c) in test_export_slow.py.
+chat template's. A run trained on a tiny GGUF file ships its dequantised base by default and names no
+hub id. SmolLM2 does (a)-(d) in test_export_slow.py.
 
 Comparing runtimes on a random tiny model: logits are compared at every position (f32 on both
 sides, f32 KV cache in llama.cpp: they agree to about 1e-7, the tolerance is 1e-4), and greedy tokens
@@ -211,3 +212,44 @@ def test_the_card_lists_every_files_sha256_and_the_chat_templates(export):
     assert template_sha == hashlib.sha256(template.encode()).hexdigest() == hashlib.sha256(in_gguf.encode()).hexdigest()
     assert manifest["chat_template_sha256"] == template_sha and manifest["base"] == "shipped"
     assert "**Shipped**: `peft/base/`" in card and "None" not in card
+
+
+def test_a_run_on_a_gguf_base_ships_the_dequantised_weights_it_trained_against_and_names_no_hub_id(
+        e2e_data, tiny_model_dir, lodger_home, tmp_path):
+    """The issue's own case on the tiny model: trained on a GGUF file (dequantised to fp32 in lodger's
+    cache), the default export ships those weights; a stranger loads the adapter on them offline."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers import run_dir_of, write_job
+    from lodger.export.gguf import write_gguf
+    from lodger.model import model_folder, resolve_source
+    from test_export import IDS, lodger_logits
+
+    source = tmp_path / "models" / "tiny-f32.gguf"
+    source.parent.mkdir()
+    write_gguf(AutoModelForCausalLM.from_pretrained(tiny_model_dir), source, outtype="f32", name="tiny",
+               tokenizer_folder=tiny_model_dir, source_gguf=None, base_name="tiny")
+    env = lodger_env(lodger_home)
+    job = write_job(tmp_path / "gguf.toml", model=source, train=e2e_data["train"], steps=2, every_steps=2,
+                    eval_every=None, eval_fraction=0.0, dropout=0.0, name="from-gguf")
+    result = run_lodger(["run", job, "--quiet"], env)
+    assert result.returncode == 0, describe(result)
+    run_id = result.stdout.splitlines()[0].split()[1]
+    dest = tmp_path / "out"
+    result = run_lodger(["export", run_id, dest], env)
+    assert result.returncode == 0 and "base/ (the base's weights, shipped)" in result.stdout, describe(result)
+
+    config = json.loads((dest / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "./base" and config["revision"] is None
+    cache = model_folder(resolve_source(str(source)))
+    assert (dest / "base" / "model.safetensors").read_bytes() == (cache / "model.safetensors").read_bytes()
+    assert not (dest / "base" / "lodger-cache.json").exists()
+    card = (dest / "README.md").read_text()
+    assert "GGUF file `tiny-f32.gguf`" in card and "dequantised to float32" in card and "**Shipped**: `base/`" in card
+
+    out = run_stranger(["--peft", "."], dest, lodger_home, IDS[0])
+    torch.set_num_threads(1)
+    ours = lodger_logits(torch, run_dir_of(run_id, env), cache)
+    theirs = torch.tensor(out["peft"]["logits"])
+    assert torch.allclose(theirs, ours[0], atol=1e-5, rtol=0), (theirs - ours[0]).abs().max()
