@@ -87,6 +87,7 @@ def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model_and_load_
 
 def a_stranger_loads_all_three_and_the_modelfile_parses(dest: Path, tmp_path: Path, ours) -> None:
     """(a)-(d) on a copy of the export, lodger's cache hidden (part of the test above: one run, one export)."""
+    import hashlib
     import os
     import shutil
 
@@ -105,6 +106,8 @@ def a_stranger_loads_all_three_and_the_modelfile_parses(dest: Path, tmp_path: Pa
         assert torch.allclose(theirs, ours, atol=1e-3, rtol=0), (name, (theirs - ours).abs().max())
     merged = out["merged"]
     assert merged["prompt"].startswith("<|im_start|>system\n") and merged["prompt"].endswith("<|im_start|>assistant\n")
+    template_sha = hashlib.sha256(merged["chat_template"].encode()).hexdigest()
+    assert f"Chat template sha256 `{template_sha}`" in (fresh / "README.md").read_text()
 
     commands = parse_file((fresh / "gguf" / "Modelfile").read_bytes())
     request = create_request(commands, fresh / "gguf")

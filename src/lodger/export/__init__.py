@@ -1,8 +1,9 @@
 """`lodger export`: a run's result where people run models.
 
-Formats: `peft` (the adapter, loadable by a stranger), `merged` (a plain transformers folder),
-`gguf` (one file for llama.cpp / Ollama / LM Studio, plus a Modelfile). Every export carries the
-run's record, a model card and a manifest (files' sha256 + the ledger's chain head). It is written
+Formats: `peft` (the adapter, loadable by a stranger: its base shipped beside it or named where it
+is found offline), `merged` (a plain transformers folder), `gguf` (one file for llama.cpp / Ollama /
+LM Studio, plus a Modelfile). Every export carries the run's record, a model card (every other
+file's sha256, the chat template's) and a manifest (files' sha256 + the ledger's chain head). It is written
 into a hidden temporary folder beside DIR and renamed into place only when complete, so DIR is
 either absent or a whole export.
 """
