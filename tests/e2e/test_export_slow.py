@@ -120,4 +120,4 @@ def a_stranger_loads_all_three_and_the_modelfile_parses(dest: Path, tmp_path: Pa
     assert llama["prompt_tokens"] == merged["prompt_ids"], "llama.cpp tokenises the chat prompt as transformers does"
     assert llama["greedy"] == merged["greedy"], (llama["greedy"], merged["greedy"])
     difference = np.abs(np.array(llama["greedy_logits"]) - np.array(merged["greedy_logits"])).max()
-    assert difference <= 1e-2, difference
+    assert difference <= 1e-3, difference  # measured 8.6e-5 (logits up to 37)
