@@ -27,6 +27,7 @@ from .errors import EvalError
 HARNESS = "lm-eval"
 TASKS_DIR = Path(__file__).resolve().parent / "demo" / "tasks"
 DEFAULT_TASKS = ("lodger_demo",)
+LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")  # dataset_path values that read local data_files
 INSTALL_HINT = "install it with `pip install 'lodger[eval]'` (or `pip install lm-eval==0.4.13`)"
 
 
@@ -83,23 +84,38 @@ def _include_paths(include: list[Path]) -> list[Path]:
     return paths
 
 
-def task_manager(names: list[str], include: list[Path]):
-    """lm-eval's TaskManager over lodger's tasks and ``include``; the built-in tasks only when asked for."""
+def task_manager(names: list[str], include: list[Path], builtin: bool | None = None):
+    """lm-eval's TaskManager over lodger's tasks and ``include``, and over lm-eval's own tasks when
+    ``builtin`` (None: only when a name is not among the others)."""
     from lm_eval.tasks import TaskManager
 
-    paths = _include_paths(include)
-    local = TaskManager(include_path=[str(p) for p in paths], include_defaults=False)
-    if all(name in local.all_tasks or Path(name).is_file() for name in names):
-        return local
-    return TaskManager(include_path=[str(p) for p in paths], include_defaults=True)
+    paths = [str(p) for p in _include_paths(include)]
+    if builtin is None:
+        local = TaskManager(include_path=paths, include_defaults=False)
+        if all(name in local.all_tasks or Path(name).is_file() for name in names):
+            return local
+        builtin = True
+    return TaskManager(include_path=paths, include_defaults=builtin)
 
 
-def load_tasks(names: list[str], include: list[Path] | None = None) -> TaskSet:
-    """Load each named task, group or tag (data from the local cache only) and hash what it is."""
-    manager = task_manager(names, list(include or []))
+@contextlib.contextmanager
+def quiet(log: Path | None):
+    """lm-eval's and datasets' own output (progress bars, warnings) to ``log``, not the terminal."""
+    with open(log or os.devnull, "a", encoding="utf-8") as out, contextlib.redirect_stderr(out):
+        yield
+
+
+def load_tasks(names: list[str], include: list[Path] | None = None, *, builtin: bool | None = None,
+               log: Path | None = None) -> TaskSet:
+    """Load each named task, group or tag (data from the local cache only) and hash what it is.
+
+    ``builtin``: whether lm-eval's own tasks are looked at (None: only when a name is not found
+    among lodger's and ``include``'s)."""
+    manager = task_manager(names, list(include or []), builtin)
     objects, tasks, groups = [], {}, []
     for name in names:
-        loaded = _load_one(manager, name)
+        with quiet(log):
+            loaded = _load_one(manager, name)
         if name in loaded["groups"]:
             objects.append(loaded["groups"][name])
             groups.extend(loaded["groups"])
@@ -130,8 +146,11 @@ def _not_available(manager, name: str, exc: Exception) -> EvalError:
 
     cache = datasets.config.HF_DATASETS_CACHE
     where = _dataset_of(manager, name)
-    load = (f"datasets.load_dataset({where[0]!r}" + (f", {where[1]!r}" if where[1] else "") + ")") if where else None
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, FileNotFoundError) and (where is None or where[0] in LOCAL_BUILDERS):
+        return EvalError(f"task {name}: a file it reads is missing ({first}); restore the file, or fix its path "
+                         "in the task's YAML (data_files) and run `lodger eval` again")
+    load = (f"datasets.load_dataset({where[0]!r}" + (f", {where[1]!r}" if where[1] else "") + ")") if where else None
     how = (f"on a machine that may download, run `python -c \"import datasets; {load}\"`" if load else
            "on a machine that may download, load the task once with lm-eval")
     return EvalError(f"task {name}: its data cannot be loaded here ({type(exc).__name__}: {first}); lodger never "
@@ -178,7 +197,7 @@ def score(model, tokenizer, task_set: TaskSet, *, limit: int | None, batch_size:
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    with open(log or os.devnull, "a", encoding="utf-8") as out, contextlib.redirect_stderr(out):
+    with quiet(log):
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         # The manager goes along: without one, lm-eval would index its thousands of built-in tasks again.
         return simple_evaluate(model=lm, tasks=list(task_set.objects), task_manager=task_set.manager, limit=limit,

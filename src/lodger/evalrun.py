@@ -159,7 +159,7 @@ def evaluate_run(run_id: str, *, tasks: list[str], include: list[Path] | None = 
             job = _job_of(run)
             _apply_limits(job, say)
             say(f"{HARNESS} {outcome.harness['version']}: loading tasks {', '.join(tasks)} (local data only)")
-            outcome.tasks = load_tasks(tasks, include)
+            outcome.tasks = load_tasks(tasks, include, log=_harness_dir(run["id"]) / "lm-eval.log")
             settings = {"limit": limit, "batch_size": batch_size, "chat_template": chat_template}
             base_sha = source.sha256
             todo = []
