@@ -58,6 +58,7 @@ class Outcome:
     scores: dict[str, dict] = field(default_factory=dict)    # label -> the event's data
     reused: list[str] = field(default_factory=list)           # labels already recorded with the same key
     stopped: dict | None = None                               # {"by", "reason", "label"} when it gave way
+    scoring: Subject | None = None                            # the model being scored (or loaded) now
 
     @property
     def complete(self) -> bool:
@@ -153,6 +154,8 @@ def evaluate_run(run_id: str, *, tasks: list[str], include: list[Path] | None = 
             raise RunStateError(f"run {run['id']} is in use by process {pid} (training, or another `lodger eval`); "
                                 f"evaluate it once that has stopped (`lodger pause {run['id']}` releases it)")
         control = Control(folder, since=time.time()).install_signal_handlers()
+        control.on_hold = lambda request: _held(ledger, run["id"], control, request, say)
+        control.on_continue = lambda request, seconds: _continued(ledger, run["id"], request, seconds, say)
         lock = RunLock(folder)
         try:
             clear_request(folder, "agent")  # judged afresh for this process by the agent's next look
@@ -173,7 +176,14 @@ def evaluate_run(run_id: str, *, tasks: list[str], include: list[Path] | None = 
                 else:
                     todo.append((subject, key))
             if todo:
-                _score_all(ledger, run, job, source, model_record, todo, outcome, settings, control, threads, say)
+                outcome.scoring = todo[0][0]
+                try:
+                    yield_now(control)  # loading tasks can take a while: answer what came meanwhile
+                    _score_all(ledger, run, job, source, model_record, todo, outcome, settings, control, threads, say)
+                except ReleaseRequested:
+                    _gave_way(ledger, run["id"], outcome, control.release or {}, say)
+                except _Stopped as stop:
+                    _gave_way(ledger, run["id"], outcome, {"by": "signal", "reason": str(stop)}, say)
         finally:
             lock.release()
     return outcome
@@ -216,28 +226,21 @@ def _score_all(ledger, run, job, source, model_record, todo, outcome: Outcome, s
     install_yield_points(model, control)
     model.register_forward_pre_hook(lambda module, args: _check_stop(control))
     control.in_step = True  # a release anywhere in here drops the model being scored (nothing to undo)
-    control.on_hold = lambda request: _held(ledger, run["id"], control, request, say)
-    control.on_continue = lambda request, seconds: _continued(ledger, run["id"], request, seconds, say)
+    yield_now(control)
     extra = {"device": device, "threads": torch.get_num_threads(), "dtype": "float32",
              "tokenizer_sha256": model_record.get("tokenizer_sha256"), "base_source": model_record.get("source")}
     for subject, key in todo:
+        outcome.scoring = subject
         if subject.role == "adapter":
             model = _with_weights(model, subject, job.method)
         control.step = subject.step or 0
         say(f"{subject.label}: scoring {len(outcome.tasks.tasks)} task(s) on {extra['threads']} thread(s), "
             f"batch {settings['batch_size']}" + (f", {settings['limit']} examples per task" if settings["limit"] else ""))
         started, held_before = time.perf_counter(), control.held_seconds
-        try:
-            with torch.no_grad():
-                results = score(model, tokenizer, outcome.tasks, limit=settings["limit"],
-                                batch_size=settings["batch_size"], chat_template=settings["chat_template"],
-                                log=_harness_dir(run["id"]) / "lm-eval.log")
-        except ReleaseRequested:
-            _gave_way(ledger, run["id"], outcome, subject, control.release or {}, say)
-            return
-        except _Stopped as stop:
-            _gave_way(ledger, run["id"], outcome, subject, {"by": "signal", "reason": str(stop)}, say)
-            return
+        with torch.no_grad():
+            results = score(model, tokenizer, outcome.tasks, limit=settings["limit"],
+                            batch_size=settings["batch_size"], chat_template=settings["chat_template"],
+                            log=_harness_dir(run["id"]) / "lm-eval.log")
         held = control.held_seconds - held_before
         data = {"subject": subject.record(), "harness": outcome.harness, "settings": settings, "key": key,
                 **scores_of(results, outcome.tasks), "environment": extra,
@@ -255,6 +258,12 @@ class _Stopped(Exception):
 def _check_stop(control: Control) -> None:
     if control.stop:
         raise _Stopped(control.stop)
+
+
+def yield_now(control: Control) -> None:
+    """Between two phases (tasks loaded, model loaded): answer a hold, a release or a stop now."""
+    control.checkpoint_boundary(release_ok=True)
+    _check_stop(control)
 
 
 def _with_weights(model, subject: Subject, method):
@@ -286,7 +295,8 @@ def _continued(ledger, run_id: str, request: dict, seconds: float, say) -> None:
     say(f"continuing after {seconds:.1f} s held")
 
 
-def _gave_way(ledger, run_id: str, outcome: Outcome, subject: Subject, request: dict, say) -> None:
+def _gave_way(ledger, run_id: str, outcome: Outcome, request: dict, say) -> None:
+    subject = outcome.scoring
     outcome.stopped = {"by": request.get("by"), "reason": request.get("reason"), "label": subject.label}
     ledger.event(run_id, "eval_abandoned", by=request.get("by"), reason=request.get("reason"),
                  subject=subject.record(), scored=sorted(outcome.scores))
