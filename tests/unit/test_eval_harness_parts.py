@@ -206,3 +206,14 @@ def test_eval_help_imports_neither_torch_nor_the_harness():
     assert result.returncode == 0, result.stderr
     assert "Score RUN's trained weights" in result.stdout
     assert result.stdout.split("HEAVY ", 1)[1].strip() == "[]"
+
+
+def test_show_gives_a_score_sheet_one_line():
+    from lodger.cli.evaluate import summary
+
+    data = {"subject": {"label": "adapter@step-4"}, "harness": {"name": "lm-eval", "version": "0.4.13"},
+            "settings": {"limit": 10},
+            "tasks": {"b": {"metrics": {"acc": {"value": 0.5, "stderr": 0.1}, "acc_norm": {"value": 1.0}}},
+                      "a": {"metrics": {"exact_match,strict": {"value": 0.25, "stderr": None}}}}}
+    assert summary(data) == ("adapter@step-4 by lm-eval 0.4.13: a exact_match,strict 0.2500; b acc 0.5000 ± 0.1000 "
+                             "(limit 10)")

@@ -95,4 +95,19 @@ def score_rows(scored: dict[str, dict]) -> list[tuple[str, str, dict]]:
     return [(task, metric, values) for (task, metric), values in sorted(found.items())]
 
 
+def summary(data: dict) -> str:
+    """One line of a `harness_eval` event for `lodger show`: the model, the harness, each task's first metric."""
+    from ..evalharness import metric_text
+
+    tasks = []
+    for task, row in sorted((data.get("tasks") or {}).items()):
+        metric = next(iter(row.get("metrics") or {}), None)
+        if metric:
+            tasks.append(f"{task} {metric} {metric_text(row['metrics'][metric])}")
+    harness = data.get("harness") or {}
+    limit = (data.get("settings") or {}).get("limit")
+    return (f"{(data.get('subject') or {}).get('label')} by {harness.get('name')} {harness.get('version')}: "
+            + "; ".join(tasks) + (f" (limit {limit})" if limit else ""))
+
+
 COMMANDS = [evaluate]
