@@ -67,7 +67,12 @@ DOCS = [{"question": f"{a} plus 1?", "choices": [str(a + 1), str(a)], "label": 0
 
 
 def test_task_hashes_follow_the_config_and_the_data_not_where_the_files_are(tmp_path, monkeypatch):
+    import datasets
+
+    # the json builder caches what it reads: here, not in the user's cache (datasets read the
+    # variable when first imported, so the module's setting is changed too)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
 
     def hashes(folder: Path) -> dict:
         return evalharness.load_tasks(["tiny_sums"], [folder], builtin=False).tasks["tiny_sums"]
