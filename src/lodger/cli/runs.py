@@ -187,6 +187,10 @@ def show(run_id: str, as_json: bool) -> None:
     for e in events:
         data = ", ".join(f"{k}={_human(v)}" for k, v in e["data"].items()
                          if k not in ("compute", "memory_estimate", "measured"))
+        if e["kind"] == "harness_eval":  # a whole score sheet: one line of it
+            from .evaluate import summary
+
+            data = summary(e["data"])
         click.echo(f"  {_when(e['time'])}  {e['kind']:<18} {data}")
 
 

@@ -181,9 +181,9 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             click.echo(f"run {run['id']} {resume_remote(ledger, run)}")
             return
         folder = run_dir(run["id"])
-        if run["status"] == "finished":
+        pid = holder(folder)  # a finished run may be held all the same: `lodger eval` scoring it
+        if run["status"] == "finished" and pid is None:
             raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger run`")
-        pid = holder(folder)
         if pid is None and is_locked(folder):
             raise RunStateError(f"run {run['id']} is not running as far as lodger can verify: its lock is held, "
                                 "but not by the process its lock file names, so nothing was signalled; if an "
@@ -192,7 +192,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             requests = read_requests(folder)
             held = run_state(folder).get("state") == "held"  # e.g. by a server that died: its hold lapsed
             if not held and not any(r.get("state") != "run" for r in requests.values()):
-                raise RunStateError(f"run {run['id']} is training now; nothing to resume")
+                raise RunStateError(f"run {run['id']} is training (or being evaluated) now; nothing to resume")
             clear_request(folder, "agent")
             ask(folder, "user", None, ledger=ledger, event={"kind": "resume_requested", "by": "user"})
             still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]

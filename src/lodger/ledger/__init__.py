@@ -136,6 +136,11 @@ class Ledger:
                                (run_id, kind, after_seq)).fetchall()
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
+    def harness_evals(self, run_id: str) -> list[dict]:
+        """``run_id``'s lm-eval scores, oldest first: one chained `harness_eval` event per model that
+        `lodger eval` scored (the event is the record; no table is derived from it)."""
+        return self.run_events_after(run_id, "harness_eval")
+
     def audit(self) -> tuple[int, list[AuditProblem]]:
         """Walk the chain; return (rows checked, problems). No problems means the chain is intact."""
         problems: list[AuditProblem] = []
