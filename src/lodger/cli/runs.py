@@ -151,14 +151,7 @@ def show(run_id: str, as_json: bool) -> None:
         click.echo(f"remote    target {run['target']}  Ray submission {run['remote_job_id']}")
     click.echo(f"folder    {folder}")
     click.echo(f"last good checkpoint  {checkpoints[-1] if checkpoints else '-'}")
-    if now["eval_step"] is not None or info["last_eval"]:
-        step, loss = (now["eval_step"], now["eval_loss"]) if now["eval_step"] is not None else \
-            (info["last_eval"]["step"], info["last_eval"]["eval_loss"])
-        click.echo(f"last eval step {step}: eval_loss {loss_text(loss)}")
-    for label, record, prefix in (("preference", info["last_train"], ""), ("  at eval", info["last_eval"], "eval_")):
-        text = preference_text(record, prefix)
-        if text:
-            click.echo(f"{label}  step {record['step']}: {text}")
+    _print_evals(now, info)
     if provenance:
         p = provenance[-1]
         code = p.get("code", {})
@@ -192,6 +185,20 @@ def show(run_id: str, as_json: bool) -> None:
 
             data = summary(e["data"])
         click.echo(f"  {_when(e['time'])}  {e['kind']:<18} {data}")
+
+
+def _print_evals(now: dict, info: dict) -> None:
+    """The last eval's loss and, for a preference run, its metrics at the last step and eval."""
+    from ..runview import loss_text
+
+    if now["eval_step"] is not None or info["last_eval"]:
+        step, loss = (now["eval_step"], now["eval_loss"]) if now["eval_step"] is not None else \
+            (info["last_eval"]["step"], info["last_eval"]["eval_loss"])
+        click.echo(f"last eval step {step}: eval_loss {loss_text(loss)}")
+    for label, record, prefix in (("preference", info["last_train"], ""), ("  at eval", info["last_eval"], "eval_")):
+        text = preference_text(record, prefix)
+        if text:
+            click.echo(f"{label}  step {record['step']}: {text}")
 
 
 def preference_text(record: dict | None, prefix: str = "") -> str:
