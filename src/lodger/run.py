@@ -27,6 +27,7 @@ from .distributed import Ranks
 from .errors import LimitReached, PreflightError, RunStateError
 from .home import run_dir
 from .ledger import Ledger
+from .ledger.values import NewRun
 from .recovery import complete_ledger
 from .report import plural
 from .restarts import mark_starting
@@ -139,12 +140,16 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     durable.write_folder(run_dir(run_id), {JOB_FILE: to_toml(job.resolved_dict()).encode()})
     mark_starting(run_dir(run_id))  # the agent leaves a "created" run alone while its creator lives
     with Ledger() as ledger:
-        ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
-                          job_hash=job_hash(job), job_toml=to_toml(job.resolved_dict()),
-                          total_steps=prepared.total_steps, pid=None, reproduces=reproduces, managed=managed,
-                          estimate=memory)
+        ledger.create_run(new_run_record(run_id, job, name, prepared.total_steps, reproduces=reproduces,
+                                         managed=managed, estimate=memory))
     durable.fault_point("after_create_run")
     return run_id, prepared
+
+
+def new_run_record(run_id: str, job: JobConfig, name: str | None, total_steps: int, **extra) -> NewRun:
+    """The ledger's record of a new run of ``job`` (``extra``: reproduces, managed, estimate)."""
+    return NewRun(run_id=run_id, name=name, model=job.model.source, method=job.method.kind, job_hash=job_hash(job),
+                  job_toml=to_toml(job.resolved_dict()), total_steps=total_steps, **extra)
 
 
 def new_run_id(name: str) -> str:

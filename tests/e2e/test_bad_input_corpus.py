@@ -32,6 +32,7 @@ import pytest
 
 from fixtures_lib import make_preference_records, write_chat_jsonl
 from helpers import checkpoint_dirs, describe, killed_by_sigkill, lodger_env, run_lodger, wait_until, write_job
+from lodger.ledger.values import NewRun
 
 LEDGER_TABLES = ("runs", "events", "datasets", "queue", "metrics", "provenance")
 DRIVER = Path(__file__).resolve().parent / "cli_driver.py"
@@ -594,8 +595,8 @@ def _seed_runs(w: World, *ids: str) -> None:
 
     with Ledger() as ledger:
         for run_id in ids:
-            ledger.create_run(run_id, name="seeded", model="m", method="lora", job_hash="0" * 64,
-                              job_toml="", total_steps=1, pid=None)
+            ledger.create_run(NewRun(run_id, name="seeded", model="m", method="lora", job_hash="0" * 64,
+                              job_toml="", total_steps=1, pid=None))
 
 
 @case

@@ -18,6 +18,7 @@ from lodger.ledger import Ledger
 pytest.importorskip("lm_eval")
 
 from lodger import evalharness  # noqa: E402  (after the skip: it needs lm-eval at call time)
+from lodger.ledger.values import NewRun
 
 DEMO_EVAL = Path(evalharness.TASKS_DIR).parent / "eval.jsonl"
 
@@ -157,8 +158,8 @@ def _scored(ledger: Ledger, run_id: str, label: str, acc: float, limit: int | No
 
 def _two_runs(ledger: Ledger) -> None:
     for run_id in ("run-a", "run-b"):
-        ledger.create_run(run_id, name=run_id, model="tiny", method="lora", job_hash="h", job_toml="[model]\n",
-                          total_steps=4, pid=None)
+        ledger.create_run(NewRun(run_id, name=run_id, model="tiny", method="lora", job_hash="h", job_toml="[model]\n",
+                          total_steps=4, pid=None))
 
 
 def test_harness_scores_keep_each_models_newest_score_per_task():

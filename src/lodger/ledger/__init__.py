@@ -22,6 +22,7 @@ from ..home import ledger_path
 from . import records
 from .migrations import MIGRATIONS
 from .records import RecordProblem, metrics_digest, sha256_text
+from .values import NewRun
 
 GENESIS = "0" * 64
 EVENT_KINDS = ("created", "started", "checkpoint", "interrupted", "resumed", "drift", "damaged_checkpoint",
@@ -168,22 +169,22 @@ class Ledger:
         return len(rows), problems
 
     # -- runs --------------------------------------------------------------------------------
-    def create_run(self, run_id: str, *, name: str | None, model: str, method: str, job_hash: str,
-                   job_toml: str, total_steps: int, pid: int | None, reproduces: str | None = None,
-                   managed: bool = False, estimate: dict | None = None) -> None:
+    def create_run(self, run: NewRun) -> None:
+        """The run's row and its `created` event (ledger/values.py's record, as it is)."""
         now = time.time()
         with self.transaction():
             self.db.execute(
                 "INSERT INTO runs (id, name, created, updated, status, model, method, job_hash, job_toml,"
                 " total_steps, pid, managed) VALUES (?, ?, ?, ?, 'created', ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, name, now, now, model, method, job_hash, job_toml, total_steps, pid, int(managed)))
-            data = {"job_hash": job_hash, "model": model, "method": method, "total_steps": total_steps,
-                    "name": name, "managed": bool(managed), "job_toml_sha256": sha256_text(job_toml)}
-            if reproduces:
-                data["reproduces"] = reproduces
-            if estimate:
-                data["memory_estimate"] = estimate
-            self._append_event(run_id, "created", data)
+                (run.run_id, run.name, now, now, run.model, run.method, run.job_hash, run.job_toml, run.total_steps,
+                 run.pid, int(run.managed)))
+            data = {"job_hash": run.job_hash, "model": run.model, "method": run.method, "total_steps": run.total_steps,
+                    "name": run.name, "managed": bool(run.managed), "job_toml_sha256": sha256_text(run.job_toml)}
+            if run.reproduces:
+                data["reproduces"] = run.reproduces
+            if run.estimate:
+                data["memory_estimate"] = run.estimate
+            self._append_event(run.run_id, "created", data)
 
     def update_run(self, run_id: str, **fields: Any) -> None:
         """Set run columns; a change to a column the chain covers is a `run_updated` event."""

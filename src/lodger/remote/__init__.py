@@ -58,8 +58,7 @@ def submit(plan) -> str:
     from ..tomlfile import to_toml
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..config import job_hash
-    from ..run import JOB_FILE, new_run_id
+    from ..run import JOB_FILE, new_run_id, new_run_record
     from .staging import local_python, planned_steps, stage
 
     from .storage import Storage, StorageError
@@ -94,9 +93,7 @@ def submit(plan) -> str:
     leaving = [{"role": f.role, "path": str(f.path), "size": f.size, "sha256": f.sha256} for f in plan.files]
     with Ledger() as ledger:
         with ledger.transaction():
-            ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
-                              job_hash=job_hash(job), job_toml=to_toml(job.resolved_dict()),
-                              total_steps=planned_steps(job), pid=None, managed=True)
+            ledger.create_run(new_run_record(run_id, job, name, planned_steps(job), managed=True))
             ledger.update_run(run_id, target=plan.target_name, remote=json.dumps(info), remote_job_id=submission_id)
         try:
             backend.submit(info, run_id, submission_id, remote_job)
