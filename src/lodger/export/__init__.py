@@ -15,8 +15,9 @@ import os
 import secrets
 import shutil
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import ExportError, RunStateError
 
@@ -71,12 +72,31 @@ def fsync_tree(folder: Path) -> None:
     fsync_dir(folder)
 
 
+@dataclass(frozen=True)
+class Source:
+    """What an export is made of, read once: the run's ledger rows (run, events, provenance, evals,
+    the chain head), its folder, the weights file, the base and the formats asked for (``parts``:
+    format -> folder inside the export, "." when it is the export itself)."""
+
+    run: dict
+    folder: Path
+    events: list
+    provenance: list
+    evals: list
+    head: dict
+    weights: Path
+    base: Any
+    formats: list[str]
+    parts: dict[str, str]
+    outtype: str
+
+
 def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtype: str = "f16",
                say: Callable[[str], None] = lambda _: None, base_mode: str = "auto") -> dict:
     """Export ``run_id`` into the new folder ``dest``; returns the manifest. ``base_mode`` (peft):
     "ship" the base's weights in the adapter's ``base/``, "name" where they are, or "auto" (ship a
     GGUF base, name others)."""
-    from ..compare import final_weights, total_compute
+    from ..compare import final_weights
     from ..home import run_dir
     from ..ledger import Ledger
     from .base import describe_base
@@ -99,14 +119,15 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
     base = describe_base(provenance[-1]["model"], base_mode)
     if "gguf" in formats:  # before anything is written
         check_supported(json.loads((base.folder / "config.json").read_text()), outtype)
-    parts = {f: "." if len(formats) == 1 else f for f in formats}
+    src = Source(run=run, folder=folder, events=events, provenance=provenance, evals=evals, head=head,
+                 weights=weights, base=base, formats=formats, parts={f: "." if len(formats) == 1 else f for f in formats},
+                 outtype=outtype)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
     try:
         tmp.mkdir(parents=True)
-        gguf_info = _write_formats(run, folder, weights, base, formats, parts, outtype, tmp, say)
+        gguf_info = _write_formats(src, tmp, say)
         template = chat_template_sha256(base.folder)
-        files = _write_record(run, folder, tmp, events, provenance, evals, total_compute(events), weights, base,
-                              parts, gguf_info, formats, template)
+        files = _write_record(src, tmp, gguf_info, template)
         from .manifest import write_manifest
 
         extra = {"chat_template_sha256": template, **({"outtype": outtype} if "gguf" in formats else {}),
@@ -125,9 +146,12 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
     return manifest
 
 
-def _write_formats(run, folder, weights, base, formats, parts, outtype, tmp: Path, say) -> dict | None:
+def _write_formats(src: Source, tmp: Path, say) -> dict | None:
     from .merged import merged_model, write_merged
     from .peft import write_peft
+
+    run, folder, weights, base, formats, parts, outtype = (src.run, src.folder, src.weights, src.base, src.formats,
+                                                           src.parts, src.outtype)
 
     if "peft" in formats:
         write_peft(weights, base, tmp / parts["peft"])
@@ -173,19 +197,19 @@ def chat_template(folder: Path) -> str | None:
         return None
 
 
-def _write_record(run, folder, tmp, events, provenance, evals, compute, weights, base, parts, gguf_info, formats,
-                  template_sha256) -> dict[str, dict]:
+def _write_record(src: Source, tmp: Path, gguf_info: dict | None, template_sha256: str | None) -> dict[str, dict]:
     """The run's record and the card, which lists every other file's hash; returns those hashes."""
+    from ..compare import total_compute
     from .card import model_card
     from .manifest import file_hashes
 
     for name in RECORD_FILES:
-        if (folder / name).is_file():
-            shutil.copyfile(folder / name, tmp / name)
-    (tmp / "events.json").write_text(json.dumps(events, indent=1, default=str))
+        if (src.folder / name).is_file():
+            shutil.copyfile(src.folder / name, tmp / name)
+    (tmp / "events.json").write_text(json.dumps(src.events, indent=1, default=str))
     files = file_hashes(tmp)
-    card = model_card(run=run, first=provenance[0], evals=evals, compute=compute, checkpoint=weights.parent.name,
-                      base=base, parts=parts, gguf_info=gguf_info, formats_done=formats, files=files,
-                      chat_template_sha256=template_sha256)
+    card = model_card(run=src.run, first=src.provenance[0], evals=src.evals, compute=total_compute(src.events),
+                      checkpoint=src.weights.parent.name, base=src.base, parts=src.parts, gguf_info=gguf_info,
+                      formats_done=src.formats, files=files, chat_template_sha256=template_sha256)
     (tmp / "README.md").write_text(card)
     return files
