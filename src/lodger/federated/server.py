@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import JobConfig, describe, read_toml
@@ -211,43 +212,70 @@ def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: Roun
     else:
         raise FederatedError(f"round {round_no}: fewer than {fed.min_clients} clients answered in "
                              f"{MAX_SHORT_ROUNDS} attempts; the run stops at round {current.round}")
-    privacy = fed.privacy.model_dump() if fed.privacy.noise_multiplier else None
     config_bytes = config_bytes() if callable(config_bytes) else config_bytes
-    return commit_round(job_id, round_no, good, declined, current, store, config_bytes, ledger, fed.aggregation,
-                        privacy=privacy, seed=job.training.seed, secure=secure)
+    return commit_round(Answered(job_id, round_no, good, declined, secure), Rules.of(job, config_bytes), current,
+                        store, ledger)
 
 
-def commit_round(job_id: str, round_no: int, good: list, declined: dict, current: Committed, store: RoundStore,
-                 config_bytes: bytes, ledger, aggregation: str = "fedavg", privacy: dict | None = None,
-                 seed: int = 0, secure: tuple[dict, dict] | None = None) -> Committed:
-    """Aggregate the good replies ((Reply, node) pairs) of round ``round_no``, commit the round, and
-    record it (a `federated_round` event: what `lodger compare` and `lodger export` read back).
-    ``privacy`` with a noise_multiplier: Flower's central Gaussian noise on the aggregate (privacy.py).
-    ``secure``: a SecAgg+ round's (aggregate, record) from secagg_round.py: Flower's unmasked mean
-    replaces the FedAvg of replies the server never saw; the record goes in `secure_aggregation`."""
+@dataclass(frozen=True)
+class Answered:
+    """A round as it came back: the job and round, the good replies ((Reply, node) pairs), who
+    declined and why, and for a SecAgg+ round Flower's (unmasked mean, record) from secagg_round.py."""
+
+    job_id: str
+    round_no: int
+    good: list
+    declined: dict
+    secure: tuple[dict, dict] | None = None
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How a job's rounds are combined and committed: the adapter config every round carries, the
+    aggregation, and (with a noise_multiplier) the privacy settings of Flower's central noise."""
+
+    config_bytes: bytes
+    aggregation: str = "fedavg"
+    privacy: dict | None = None
+    seed: int = 0
+
+    @classmethod
+    def of(cls, job: JobConfig, config_bytes: bytes) -> "Rules":
+        fed = job.federated
+        return cls(config_bytes, fed.aggregation, fed.privacy.model_dump() if fed.privacy.noise_multiplier else None,
+                   job.training.seed)
+
+
+def commit_round(answered: Answered, rules: Rules, current: Committed, store: RoundStore, ledger) -> Committed:
+    """Aggregate a round's good replies, commit the round, and record it (a `federated_round` event:
+    what `lodger compare` and `lodger export` read back). With ``rules.privacy``: Flower's central
+    Gaussian noise on the aggregate (privacy.py). A SecAgg+ round: Flower's unmasked mean replaces
+    the FedAvg of replies the server never saw; its record goes in `secure_aggregation`."""
+    good, round_no, secure = answered.good, answered.round_no, answered.secure
     updates = [Update(r.client_id, r.tokens, r.tensors) for r, _ in good]
     tensors = secure[0] if secure else fedavg(updates, current.tensors or None)
     noise = {}
-    if privacy:
+    if rules.privacy:
         from .privacy import central_noise, kept_secret
 
-        tensors, noise = central_noise(tensors, [u.tokens for u in updates], privacy, seed, round_no,
+        tensors, noise = central_noise(tensors, [u.tokens for u in updates], rules.privacy, rules.seed, round_no,
                                        kept_secret(store.folder / "noise-secret"))
     participants = [{"client_id": r.client_id, "node_id": str(node), "target_tokens": r.tokens, "steps": r.steps,
                      "train_loss": r.loss, "sha256": r.sha256, "bytes": r.bytes}
                     for r, node in sorted(good, key=lambda g: g[0].client_id)]
-    state = {"round": round_no, "job_id": job_id, "aggregation": aggregation, "participants": participants,
-             "declined": declined, "started_from": tensors_sha256(current.tensors),
-             "sha256": tensors_sha256(tensors), "bytes": tensors_bytes(tensors),
+    state = {"round": round_no, "job_id": answered.job_id, "aggregation": rules.aggregation,
+             "participants": participants, "declined": answered.declined,
+             "started_from": tensors_sha256(current.tensors), "sha256": tensors_sha256(tensors),
+             "bytes": tensors_bytes(tensors),
              "total_tokens": int(current.state.get("total_tokens", 0)) + sum(u.tokens for u in updates),
              "total_steps": int(current.state.get("total_steps", 0)) + sum(r.steps for r, _ in good)}
     if noise:
         state["privacy"] = noise
     if secure:
         state["secure_aggregation"] = secure[1]
-    store.commit(round_no, tensors, config_bytes, state)
+    store.commit(round_no, tensors, rules.config_bytes, state)
     ledger.event(None, "federated_round", **state)
-    return Committed(round_no, tensors, config_bytes, state)
+    return Committed(round_no, tensors, rules.config_bytes, state)
 
 
 def _make_app():
