@@ -124,7 +124,7 @@ class Ledger:
         return _Transaction(self.db)
 
     def events(self, run_id: str | None = None) -> list[dict]:
-        sql, args = "SELECT * FROM events", ()
+        sql, args = "SELECT * FROM events", ()  # type: tuple[str, tuple]
         if run_id is not None:
             sql, args = sql + " WHERE run_id=?", (run_id,)
         rows = self.db.execute(sql + " ORDER BY seq", args).fetchall()
@@ -282,7 +282,7 @@ class Ledger:
                                      " VALUES (?, ?, ?, ?, ?, 'queued')", (name, job_path, job_toml, priority, time.time()))
             self._append_event(None, "queued", {"queue_id": cursor.lastrowid, "name": name, "priority": priority,
                                                 "job_path": job_path, "job_sha256": sha256_text(job_toml)})
-            return cursor.lastrowid
+            return int(cursor.lastrowid or 0)  # an INSERT's rowid: never None after it
 
     def queue(self, state: str = "queued") -> list[dict]:
         """Entries in ``state``; for `queued`, the one to start next first (highest priority, then oldest)."""

@@ -29,6 +29,7 @@ from .optim import lr_at
 from .step import install_yield_points, micro_step, optimizer_step  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
+    from .collaborators import Checkpointing, Controlling, Recording, Synchronising
     from .state import TrainState
 
 
@@ -39,7 +40,8 @@ def eval_due(st: "TrainState", step: int) -> bool:
 
 
 @torch.no_grad()
-def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> tuple[float, dict] | None:
+def evaluate(st: "TrainState", step: int, recorder: "Recording", control: "Controlling",
+             rank: int = 0) -> tuple[float, dict] | None:
     """The objective's loss on the held-out set with its metrics (None when there is none): SFT's
     token-weighted mean loss; a preference objective's loss over every held-out example.
 
@@ -75,7 +77,8 @@ def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> t
     return float(loss), ({} if sums is None else st.objective.metrics(sums, weights))
 
 
-def train(st: "TrainState", *, checkpointer, recorder, control, sync) -> str:
+def train(st: "TrainState", *, checkpointer: "Checkpointing", recorder: "Recording", control: "Controlling",
+          sync: "Synchronising") -> str:
     """Run from ``st.progress`` to the last step; return "finished", "interrupted" or "paused"."""
     try:
         return _train_steps(st, checkpointer, recorder, control, sync)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from .. import durable
 
@@ -19,8 +20,8 @@ class Recorder:
         self.pending: list[dict] = []   # metric records not yet in the ledger (they go with checkpoints)
         self.evals: dict[int, float] = {}
         self.eval_seconds = 0.0  # of the latest eval, held time left out
-        self.reporter = None     # set by the run once the log file is open
-        self.work = None         # a throughput.StepWork when the model's FLOPs are countable: MFU
+        self.reporter: Any = None  # set by the run once the log file is open
+        self.work: Any = None      # a throughput.StepWork when the model's FLOPs are countable: MFU
 
     def _metrics_append(self, record: dict) -> None:
         if not self.writes:

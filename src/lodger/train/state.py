@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import durable, faults
 from ..checkpoint import CheckpointStore
@@ -31,6 +31,9 @@ from .objective import make_objective
 from .record import Recorder
 from .sync import DataParallelSync, LocalSync
 from .throughput import StepWork
+
+if TYPE_CHECKING:
+    from .collaborators import Objective, Planning
 
 __all__ = ["Prepared", "Progress", "Session", "TrainState"]
 
@@ -68,7 +71,7 @@ class TrainState:
     optimizer: Any
     precision: Any
     guard: Any
-    planner: Any
+    planner: "Planning"
     progress: Progress
     train_set: TokenizedSet
     eval_set: TokenizedSet | None
@@ -77,7 +80,7 @@ class TrainState:
     device: str
     total_steps: int
     poisoned: Any = None     # test-only fault injection (faults.py)
-    objective: Any = None    # what a step's loss is (objective.py); None: SFT
+    objective: "Objective"   # what a step's loss is (objective.py)
 
 
 def make_sync(control, limits, job, ranks: Ranks):
@@ -177,7 +180,7 @@ def build_recorder(run_id: str, folder: Path, ledger, control, progress: Progres
     training = prepared.job.training
     recorder = Recorder(run_id, folder, ledger, control, progress, prepared.total_steps, training.log_every,
                         writes=writes)
-    recorder.work = StepWork(model, rows=training.batch_size * training.grad_accum, threads=training.threads,
+    recorder.work = StepWork(model, rows=training.batch_size * training.grad_accum, threads=training.threads or 1,
                              precision=training.precision, device=prepared.device, world=training.world_size)
     return recorder
 
@@ -239,7 +242,7 @@ class Session:
             return
         from .reference import ready
 
-        if self.progress.step and self.train_set.reference is None:  # restored without one: never by the contract
+        if self.progress.step and getattr(self.train_set, "reference", None) is None:  # restored without one: never by the contract
             from ..errors import RunStateError
 
             raise RunStateError(f"run {self.run_id}: its checkpoint at step {self.progress.step} holds no "
@@ -262,7 +265,7 @@ class Session:
 
     def provenance(self) -> dict:
         p = self.p
-        data = {"train": {"path": str(p.train_file.path), "sha256": p.train_file.sha256, "bytes": p.train_file.size,
+        data: dict[str, Any] = {"train": {"path": str(p.train_file.path), "sha256": p.train_file.sha256, "bytes": p.train_file.size,
                           "lines": len(p.train_file.rows)}}
         if p.eval_file is not None:
             data["eval"] = {"path": str(p.eval_file.path), "sha256": p.eval_file.sha256,
@@ -283,11 +286,11 @@ class Session:
                 data[use.role].update(use.provenance())
         model = {"source": p.source.spec, "kind": p.source.kind, "path": str(p.source.path),
                  "sha256": p.source.sha256, "tokenizer_sha256": p.tokenizer_sha, **p.source.provenance()}
-        if getattr(self.job.method, "init_adapter", None) is not None:
+        init_adapter = getattr(self.job.method, "init_adapter", None)
+        if init_adapter is not None:
             from ..model import adapter_hash
 
-            model["init_adapter"] = {"path": str(self.job.method.init_adapter),
-                                     "sha256": adapter_hash(self.job.method.init_adapter)}
+            model["init_adapter"] = {"path": str(init_adapter), "sha256": adapter_hash(init_adapter)}
         return prov.capture(job=self.job.resolved_dict(), job_hash=job_hash(self.job),
                             job_dir=Path(os.getcwd()), model=model, data=data,
                             seeds={"seed": self.job.training.seed}, device=self.device,
