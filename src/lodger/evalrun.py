@@ -85,7 +85,8 @@ def base_source(ledger: Ledger, run: dict):
 
 def trained_weights(run: dict, checkpoint: int | None) -> Subject:
     """The run's final weights (its adapter folder), or one committed checkpoint's, verified."""
-    from .checkpoint import CheckpointStore, hash_file
+    from .checkpoint import CheckpointStore
+    from .hashing import hash_file
 
     folder = run_dir(run["id"])
     if checkpoint is None:

@@ -83,6 +83,20 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
                     train_indices, eval_indices, steps, device, planner)
 
 
+def prepare_job(path: Path, *, threads: int | None = None, world_size: int | None = None) -> Prepared:
+    """A job file as the one value every later stage takes as it is: read and validated (user
+    defaults, datasets), the thread count settled (every core when left out; recorded), then
+    ``prepare``d (data, model, tokens, the step plan)."""
+    job = load_job(path)
+    if threads is not None:
+        job.training.threads = threads
+    if world_size is not None:
+        job.training.world_size = world_size
+    if job.training.threads is None:
+        job.training.threads = len(os.sched_getaffinity(0))
+    return prepare(job)
+
+
 def preflight(prepared: Prepared, force: bool = False) -> dict:
     """Estimate peak memory; refuse (before anything is written) a job that will not fit."""
     from .memory import estimate, memory_available, reference_examples, runtime_bytes, suggestions
@@ -128,12 +142,8 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     """Validate a job file and create its run (folder and ledger row) atomically.
 
     ``run_id`` is given only by a remote worker: its run keeps the id of the local run it serves."""
-    job = load_job(job_path)
-    if threads is not None:
-        job.training.threads = threads
-    if job.training.threads is None:
-        job.training.threads = len(os.sched_getaffinity(0))
-    prepared = prepare(job)
+    prepared = prepare_job(job_path, threads=threads)
+    job = prepared.job
     memory = preflight(prepared, force)
     name = name or job.name or Path(job_path).stem
     run_id = run_id or new_run_id(name)
@@ -372,9 +382,4 @@ def resume_prepared(run_id: str, threads: int | None = None, world_size: int | N
     if not path.exists():
         raise RunStateError(f"run {run_id}: its job file {path} is missing; the ledger holds a copy "
                             f"(`job_toml` in `lodger show {run_id} --json`): write it back to that path")
-    job = load_job(path)
-    if threads is not None:
-        job.training.threads = threads
-    if world_size is not None:
-        job.training.world_size = world_size
-    return prepare(job)
+    return prepare_job(path, threads=threads, world_size=world_size)

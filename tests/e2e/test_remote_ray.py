@@ -152,7 +152,7 @@ def _stop_processes(group: int, temp: str) -> None:
 
 def _plan(job_path: Path, head: dict):
     """What the gate hands over once it approved a job: the validated job, the target, the files."""
-    from lodger.checkpoint import hash_file
+    from lodger.hashing import hash_file
     from lodger.jobfile import load_job
     from lodger.gate import LeavingFile, Plan
     from lodger.targets import Target

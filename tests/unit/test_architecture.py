@@ -120,7 +120,7 @@ FORBIDDEN = [
 # The ledger is the floor of the house: it may lean only on these, which lean on nothing
 # (durable.py, atomic file writes, is a leaf below the ledger like errors and home; faults.py, the
 # test-only fault hook durable.fault_point is, imports nothing of lodger's).
-FLOOR = ("lodger.errors", "lodger.home", "lodger.durable", "lodger.faults")
+FLOOR = ("lodger.errors", "lodger.home", "lodger.durable", "lodger.faults", "lodger.hashing")
 LEDGER_MAY_IMPORT = ("lodger.ledger",) + FLOOR
 
 

@@ -154,7 +154,7 @@ def reproduce(run_id: str, quiet: bool) -> None:
     from ..run import JOB_FILE, create_run, execute
     from .. import jobfile
     from ..model import resolve_source
-    from ..checkpoint import hash_file
+    from ..hashing import hash_file
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from ..checkpoint import hash_file
+from ..hashing import hash_file
 
 MANIFEST = "MANIFEST.json"
 

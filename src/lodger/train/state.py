@@ -38,9 +38,10 @@ if TYPE_CHECKING:
 __all__ = ["Prepared", "Progress", "Session", "TrainState"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """Everything validated before a run folder exists."""
+    """Everything validated before a run folder exists (run.prepare_job): one value, taken as it is
+    by every later stage."""
 
     job: JobConfig
     source: ModelSource
