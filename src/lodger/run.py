@@ -182,17 +182,17 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
             taken: tuple[Control, RunLock] | None = None) -> str:
     """Train a run in this process until it finishes or is interrupted; return the final status.
 
-    ``taken``: what ``take_run`` returned, when this process took the run early (one process only)."""
+    With [training] world_size > 1 this process is one rank of a launched group (launch.start runs
+    torchrun around the run; Ray Train's workers are ranks too). ``taken``: what ``take_run``
+    returned, when this process took the run early (one process only)."""
     from . import distributed as dist
 
-    folder = run_dir(run_id)
     world = prepared.job.training.world_size
-    if resuming:  # refused before anything starts, not after N processes loaded the model
-        dist.refuse_other_world_size(run_id, dist.checkpoint_world_size(folder), world)
     ranks = Ranks()
     if world > 1:
         if not dist.inside_launch():
-            dist.launch(run_id, world, prepared.job.training.threads, fresh=not resuming, quiet=quiet)
+            raise RunStateError(f"run {run_id} trains with {world} processes: start it with lodger.launch.start, "
+                                "which launches the ranks around it")
         ranks = dist.init(world, prepared.device)
         if ranks.rank > 0:
             return _execute_quiet_rank(run_id, prepared, resuming=resuming, ranks=ranks)

@@ -151,7 +151,8 @@ def reproduce(run_id: str, quiet: bool) -> None:
     """
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..run import JOB_FILE, create_run, execute
+    from ..launch import start
+    from ..run import JOB_FILE, create_run
     from .. import jobfile
     from ..model import resolve_source
     from ..hashing import hash_file
@@ -182,7 +183,7 @@ def reproduce(run_id: str, quiet: bool) -> None:
     new_id, prepared = create_run(run_dir(run["id"]) / JOB_FILE, threads, name=f"{run['name']}-repro",
                                   reproduces=run["id"])
     click.echo(f"run {new_id} (reproducing {run['id']})")
-    status = execute(new_id, prepared, resuming=False, quiet=quiet)
+    status = start(new_id, prepared, resuming=False, quiet=quiet)
     if status != "finished":
         click.echo(f"reproduction {status}; continue it with `lodger resume {new_id}`")
         raise SystemExit(1)

@@ -41,7 +41,8 @@ def demo(steps: int, threads: int | None) -> None:
     """
     from ..home import home, run_dir
     from ..ledger import Ledger
-    from ..run import create_run, execute
+    from ..launch import start
+    from ..run import create_run
 
     threads = threads or len(os.sched_getaffinity(0))
     folder = home() / "demo"
@@ -51,7 +52,7 @@ def demo(steps: int, threads: int | None) -> None:
     click.echo(f"job file: {job_path}")
     run_id, prepared = create_run(job_path)
     click.echo(f"run {run_id}")
-    status = execute(run_id, prepared, resuming=False)
+    status = start(run_id, prepared, resuming=False)
     if status != "finished":
         click.echo(f"demo {status}; continue it with `lodger resume {run_id}`")
         return

@@ -82,7 +82,8 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
              lodger run my-job.toml --detach
     """
     from ..jobfile import load_job
-    from ..run import create_run, execute
+    from ..launch import start
+    from ..run import create_run
 
     started = time.monotonic()
     announced = announce_first_use(load_job(job), quiet)
@@ -96,7 +97,7 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     if detach:
         _detach(run_id, fresh=True, world_size=prepared.job.training.world_size, quiet=quiet)
         return
-    execute(run_id, prepared, resuming=False, quiet=quiet)
+    start(run_id, prepared, resuming=False, quiet=quiet)
 
 
 def announce_first_use(job, quiet: bool) -> bool:
@@ -212,13 +213,14 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
         _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(),
                 world_size=world_size or job.training.world_size, extra=extra, quiet=quiet)
         return
-    from ..run import execute, take_run
+    from ..launch import start
+    from ..run import take_run
 
     log_to_run(run["id"])
     # Alone, this process takes the run before it loads the model and restores the checkpoint: a
     # pause sent meanwhile is answered as soon as the model is loaded, not refused as "not training".
     taken = take_run(run["id"]) if (world_size or prepared.job.training.world_size) == 1 else None
-    execute(run["id"], prepared, resuming=True, quiet=quiet, taken=taken)
+    start(run["id"], prepared, resuming=True, quiet=quiet, taken=taken)
 
 
 def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | None, force: bool):
