@@ -1,26 +1,45 @@
-"""`lodger demo`: fine-tune SmolLM2 on the bundled data and show what changed."""
+"""`lodger demo`: fine-tune SmolLM2 on the bundled data and show what changed.
+
+The quick demo (the default) is sized to finish in a few minutes on an idle 2-core machine and
+still show the lesson: after 40 steps the model answers in the bundled chats' house style
+("Lodger says: ... Cheers, Lodger.") and the eval loss has fallen from about 3.1 to about 0.1
+(bench/demo_time.py measures it; README.md has the figures). `--long` is the earlier 80-step demo.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from importlib import resources
 from pathlib import Path
 
 import click
 
+MODEL = "smollm2-135m-instruct"
+QUICK = {"steps": 40, "eval_every": 20, "log_every": 5}
+LONG = {"steps": 80, "eval_every": 40, "log_every": 10}
 
-def _demo_job(folder: Path, steps: int, threads: int) -> Path:
+# The forecast: training steps from the estimator (memory.estimate_time, the matmul rate measured
+# just now), the rest as multiples of one such step, calibrated on this project's 2-core machine
+# (bench/demo_time.py prints forecast and outcome side by side).
+EVAL_EXAMPLE_STEPS = 0.05   # one eval example's forward pass, in training steps of batch 8 (0.6 s / 8 / 1.45 s)
+ANSWER_STEPS = 1.0          # one greedy answer of up to 48 tokens, in training steps (0.5-2.4 s / 1.45 s)
+FIXED_SECONDS = 12.0        # starting, loading the model twice, writing the adapter and checkpoints
+CONVERT_SECONDS_PER_MIB = 0.2  # the GGUF conversion (17 s for SmolLM2's 94 MiB, one core)
+
+
+def _demo_job(folder: Path, plan: dict, threads: int) -> Path:
     from ..tomlfile import to_toml
 
     data = resources.files("lodger") / "demo"
     job = {
         "name": "demo",
-        "model": {"source": "smollm2-135m-instruct"},
+        "model": {"source": MODEL},
         "method": {"kind": "lora", "rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]},
         "data": {"train": str(data / "train.jsonl"), "eval": str(data / "eval.jsonl"), "max_length": 128},
-        "training": {"steps": steps, "batch_size": 8, "learning_rate": 1e-3, "warmup_steps": 5,
-                     "threads": threads, "eval_every": max(steps // 2, 1), "log_every": 10},
+        "training": {"steps": plan["steps"], "batch_size": 8, "learning_rate": 1e-3, "warmup_steps": 5,
+                     "threads": threads, "eval_every": plan["eval_every"], "log_every": plan["log_every"]},
         "checkpoints": {"every_steps": 20, "keep_last": 2},
     }
     path = folder / "demo.toml"
@@ -29,28 +48,111 @@ def _demo_job(folder: Path, steps: int, threads: int) -> Path:
 
 
 @click.command()
-@click.option("--steps", type=click.IntRange(1), default=80, show_default=True, help="Optimizer steps.")
+@click.option("--long", "long_demo", is_flag=True, help="The longer demo: 80 steps, about twice the training time.")
+@click.option("--steps", type=click.IntRange(1), default=None,
+              help="Optimizer steps (default 40, or 80 with --long); evals at the start, half-way and the end.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads (default: all cores).")
-def demo(steps: int, threads: int | None) -> None:
+def demo(long_demo: bool, steps: int | None, threads: int | None) -> None:
     """Fine-tune SmolLM2-135M-Instruct with LoRA on the bundled data, then show before and after.
 
-    Prints the answers to held-out prompts before and after training, the eval loss before and
-    after, and where the adapter is. Takes a few minutes on 2 CPU cores.
+    Says up front how long it expects to take here (from a matmul benchmark it runs first), then
+    trains, then prints the answers to held-out prompts before and after training, the eval loss
+    before and after, and what to try next with the run it made. About 2 minutes on an idle 2-core
+    machine (the first time: plus about 20 s to convert the model once); `--long` trains twice as long.
 
-    Example: lodger demo --steps 80
+    \b
+    Example: lodger demo
+             lodger demo --long
     """
-    from ..home import home, run_dir
-    from ..ledger import Ledger
-    from ..run import create_run, execute
+    from ..home import home
+    from ..report import Phase
 
+    began = time.monotonic()
     threads = threads or len(os.sched_getaffinity(0))
+    plan = dict(LONG if long_demo else QUICK)
+    if steps is not None:
+        plan.update(steps=steps, eval_every=max(steps // 2, 1), log_every=max(1, min(10, steps // 8)))
     folder = home() / "demo"
     folder.mkdir(exist_ok=True)
-    job_path = _demo_job(folder, steps, threads)
+    job_path = _demo_job(folder, plan, threads)
     prompts = json.loads((resources.files("lodger") / "demo" / "prompts.json").read_text())
-    click.echo(f"job file: {job_path}")
-    run_id, prepared = create_run(job_path)
+    click.echo(f"lodger demo: LoRA fine-tuning of SmolLM2-135M-Instruct on the bundled chats, {plan['steps']} "
+               f"steps on {threads} threads; job file {job_path}")
+    first_use = _prepare_model()
+    with Phase("measuring this machine (a matmul benchmark) for the forecast"):
+        from ..train.throughput import rate_record
+
+        rate = rate_record(threads, "fp32", "cpu", fresh=True)
+    with Phase("measuring the training runtime's memory (first use: a fresh process imports torch)"):
+        from ..memory import runtime_bytes
+
+        runtime_bytes(threads=threads, use_current=False)  # cached; create_run's pre-flight reads it
+    with Phase("checking and tokenising the data, estimating the memory"):
+        from ..run import create_run
+
+        run_id, prepared = create_run(job_path)
+    forecast = _forecast(prepared, rate, len(prompts))
+    click.echo(_forecast_text(forecast, rate, first_use, threads))
     click.echo(f"run {run_id}")
+    _train_and_show(run_id, prepared, prompts, threads, job_path, began, sum(forecast.values()) + first_use)
+
+
+def _prepare_model() -> float:
+    """Convert the default model on its first use, saying so; the seconds it took (0: done before)."""
+    from ..home import cache_dir
+    from ..model import model_folder, preparation_notice, resolve_source
+    from ..report import Phase
+
+    source = resolve_source(MODEL)
+    if preparation_notice(source) is None:
+        return 0.0
+    size = source.path.stat().st_size / 2**20
+    click.echo(f"first use of {MODEL}: its GGUF file ({size:.0f} MiB) is converted once into a Hugging Face "
+               f"folder in {cache_dir('models')}; later runs skip this")
+    with Phase(f"converting {MODEL}", expected=max(5.0, size * CONVERT_SECONDS_PER_MIB), after=0.0) as phase:
+        model_folder(source)
+    return phase.seconds
+
+
+def _forecast(prepared, rate: dict, answers: int) -> dict[str, float]:
+    """Seconds each part of the demo should take here: the estimator's step time at the matmul
+    rate just measured, and the evals, answers and fixed costs in proportion (see the constants)."""
+    from ..memory import estimate_time
+    from .estimate import batch_shapes
+
+    job = prepared.job
+    config = json.loads((prepared.folder / "config.json").read_text())
+    _, width, _ = batch_shapes(job, prepared)
+    _, step, _ = estimate_time(job, config, rate["flops_per_second"], seq_len=width)
+    total, every = prepared.total_steps, job.training.eval_every
+    evals = len({0, total} | ({s for s in range(every, total, every)} if every else set()))
+    examples = len(prepared.eval_indices)
+    return {"training": step * total, "evals": evals * examples * EVAL_EXAMPLE_STEPS * step,
+            "answers": 2 * answers * ANSWER_STEPS * step, "loading": FIXED_SECONDS}
+
+
+def _forecast_text(forecast: dict[str, float], rate: dict, first_use: float, threads: int) -> str:
+    from ..report import clock
+    from ..runview import rate_conditions
+
+    parts = ", ".join(f"{name} {clock(seconds)}" for name, seconds in forecast.items())
+    done = f" (after the {first_use:.0f} s of converting the model)" if first_use else ""
+    text = (f"expected: about {clock(sum(forecast.values()))} from here{done}: {parts}; from a "
+            f"{rate['seconds']:.1f} s matmul benchmark just now: {rate['flops_per_second'] / 1e9:.1f} GFLOP/s "
+            f"on {threads} threads, {rate_conditions(rate)}")
+    if not rate["quiet"]:
+        text += ("\n  the machine is busy: training threads that wait for each other lose more than the "
+                 "benchmark did, so expect longer")
+    return text
+
+
+def _train_and_show(run_id: str, prepared, prompts: list[str], threads: int, job_path: Path, began: float,
+                    expected: float) -> None:
+    from ..home import run_dir
+    from ..ledger import Ledger
+    from ..report import clock
+    from ..run import execute
+
     status = execute(run_id, prepared, resuming=False)
     if status != "finished":
         click.echo(f"demo {status}; continue it with `lodger resume {run_id}`")
@@ -65,22 +167,52 @@ def demo(steps: int, threads: int | None) -> None:
     if evals:
         click.echo(f"eval loss: before {evals[0]['eval_loss']:.4f} -> after {evals[-1]['eval_loss']:.4f}")
     click.echo(f"adapter (peft layout): {adapter}")
+    load = os.getloadavg()[0]
+    click.echo(f"demo took {clock(time.monotonic() - began)} (expected {clock(expected)}; load average now "
+               f"{load:.2f} on {os.cpu_count()} CPUs)")
+    click.echo(next_steps(run_id, job_path))
+
+
+def next_steps(run_id: str, job_path: Path) -> str:
+    """What to try next, as commands for the run just made."""
+    rows = [
+        ("kill it, resume it", f"lodger run {job_path} --detach",
+         "a second run of this job in the background; it prints its id (NEW) and pid (PID)"),
+        ("", "kill -9 PID; lodger resume NEW", "it goes on from its newest checkpoint"),
+        ("compare", f"lodger compare NEW {run_id}", "bitwise equal to this run, kill and all"),
+        ("chat with it", f"lodger chat {run_id}", "an empty line ends"),
+        ("serve it", f"lodger serve --run {run_id}", "an OpenAI-compatible API on 127.0.0.1:8000"),
+        ("export it", f"lodger export {run_id} ./demo-export --format peft,gguf",
+         "a peft adapter and a GGUF file for llama.cpp / Ollama"),
+        ("look at it", f"lodger show {run_id}", "progress, checkpoints, the matmul rate, events"),
+    ]
+    width = max(len(command) for _, command, _ in rows)
+    lines = ["", "try next:"] + [f"  {what:<18} {command:<{width}}   # {why}" for what, command, why in rows]
+    return "\n".join(lines)
 
 
 def _answers(folder: Path, adapter: Path, prompts: list[str], threads: int) -> tuple[list[str], list[str]]:
     """Greedy answers without and with the adapter, loaded with plain peft."""
-    import torch
-    from peft import PeftModel
+    from ..report import Phase
 
-    from ..model import generate_reply, load_base_model, load_tokenizer
+    with Phase(f"answering {len(prompts)} held-out prompts without and with the adapter", after=0.0) as phase:
+        import torch
+        from peft import PeftModel
 
-    torch.set_num_threads(threads)
-    tokenizer = load_tokenizer(folder)
-    model = PeftModel.from_pretrained(load_base_model(folder), str(adapter))
-    model.eval()
-    with model.disable_adapter():
-        before = [generate_reply(model, tokenizer, [{"role": "user", "content": p}]) for p in prompts]
-    after = [generate_reply(model, tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+        from ..model import generate_reply, load_base_model, load_tokenizer
+
+        torch.set_num_threads(threads)
+        tokenizer = load_tokenizer(folder)
+        model = PeftModel.from_pretrained(load_base_model(folder), str(adapter))
+        model.eval()
+        before, after = [], []
+        with model.disable_adapter():
+            for prompt in prompts:
+                before.append(generate_reply(model, tokenizer, [{"role": "user", "content": prompt}]))
+                phase.advance(len(before), 2 * len(prompts))
+        for prompt in prompts:
+            after.append(generate_reply(model, tokenizer, [{"role": "user", "content": prompt}]))
+            phase.advance(len(prompts) + len(after), 2 * len(prompts))
     return before, after
 
 

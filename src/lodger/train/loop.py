@@ -56,12 +56,13 @@ def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> f
     control.in_step = True  # a release here drops the eval (nothing to undo) instead of waiting for its end
     total, count = 0.0, 0
     try:
-        for start in starts:
+        for done, start in enumerate(starts, 1):
             batch = collate(st.eval_set, st.eval_indices[start:start + size], st.pad_id)
             with st.precision.autocast():
                 loss, n = token_loss_sum(st.model, {k: v.to(st.device) for k, v in batch.items()})
             total += loss.item()  # .item() syncs with the device; fine once per eval batch
             count += n
+            recorder.reporter.eval_progress(step, done, len(starts))
     finally:
         control.in_step = False
         st.model.train()
