@@ -67,6 +67,7 @@ class Reporter:
     """Prints step lines and messages; a live progress display when stdout is a terminal."""
 
     def __init__(self, log_path: Path, total: int, start: int, quiet: bool = False, live: bool | None = None):
+        hand_over()  # the run's lines take the terminal from a phase that waited for them
         self.log = open(log_path, "a", buffering=1, encoding="utf-8")
         self.quiet = quiet
         self.total, self.first = total, start
@@ -250,6 +251,15 @@ class Reporter:
         self.log.close()
 
 
+_ACTIVE: list["Phase"] = []  # phases not ended yet, the newest last: one live display at a time
+
+
+def hand_over() -> None:
+    """End the phases still open: what they waited for (a run starting) now speaks for itself."""
+    while _ACTIVE:
+        _ACTIVE[-1].end()
+
+
 class Phase:
     """A long piece of work people wait on, said as it happens: at a terminal a live line with its
     clock (and ``expected`` seconds, and items done once ``advance`` is called) from the start and
@@ -277,6 +287,7 @@ class Phase:
         self.began = self.noted = time.monotonic()
         if self.quiet:
             return self
+        _ACTIVE.append(self)
         if self.live:
             from rich.console import Console
             from rich.progress import Progress, ProgressColumn, SpinnerColumn, TextColumn
@@ -324,16 +335,22 @@ class Phase:
             print(f"  {self.info()}", file=self.stream, flush=True)
 
     def __exit__(self, kind, exc, tb) -> None:
-        self.seconds = time.monotonic() - self.began
-        if self.quiet:
+        self.end(failed=kind is not None)
+
+    def end(self, failed: bool = False) -> None:
+        """Stop the clock and say how long it took (once; a ``Reporter`` starting ends it early)."""
+        if self.ended:
             return
+        self.seconds = time.monotonic() - self.began
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if self.timer is not None:
             self.timer.cancel()
-            with self.lock:
-                self.ended = True
+        with self.lock:
+            self.ended = True
         if self.progress is not None:
             progress, self.progress = self.progress, None
             progress.stop()
             self.said = self.seconds >= self.after
-        if self.said and kind is None:
+        if self.said and not failed:
             print(f"{self.text}: done in {self.seconds:.1f} s", file=self.stream, flush=True)

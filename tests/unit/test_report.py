@@ -96,3 +96,13 @@ def test_a_phase_says_items_done_and_the_expected_time_on_its_live_line():
     phase.began = 0.0
     phase.advance(3, 10)
     assert phase.info().startswith("3/10 | ") and phase.info().endswith(" of about 1:30"), phase.info()
+
+
+def test_a_run_starting_ends_the_phase_that_waited_for_it(tmp_path, capsys):
+    with Phase("loading the model and starting the run", live=False, after=0.0) as phase:
+        rep = Reporter(tmp_path / "log.txt", total=2, start=0, live=False)
+        assert phase.ended, "the run's lines take over from the phase"
+        rep.message("run x: starting at step 0/2")
+        rep.close()
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("loading the model and starting the run: done in ") and out[2].startswith("run x"), out

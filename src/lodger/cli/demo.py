@@ -29,13 +29,13 @@ FIXED_SECONDS = 12.0        # starting, loading the model twice, writing the ada
 CONVERT_SECONDS_PER_MIB = 0.2  # the GGUF conversion (17 s for SmolLM2's 94 MiB, one core)
 
 
-def _demo_job(folder: Path, plan: dict, threads: int) -> Path:
+def _demo_job(folder: Path, plan: dict, threads: int, model: str) -> Path:
     from ..tomlfile import to_toml
 
     data = resources.files("lodger") / "demo"
     job = {
         "name": "demo",
-        "model": {"source": MODEL},
+        "model": {"source": model},
         "method": {"kind": "lora", "rank": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]},
         "data": {"train": str(data / "train.jsonl"), "eval": str(data / "eval.jsonl"), "max_length": 128},
         "training": {"steps": plan["steps"], "batch_size": 8, "learning_rate": 1e-3, "warmup_steps": 5,
@@ -52,7 +52,9 @@ def _demo_job(folder: Path, plan: dict, threads: int) -> Path:
 @click.option("--steps", type=click.IntRange(1), default=None,
               help="Optimizer steps (default 40, or 80 with --long); evals at the start, half-way and the end.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads (default: all cores).")
-def demo(long_demo: bool, steps: int | None, threads: int | None) -> None:
+@click.option("--model", default=MODEL, show_default=True,
+              help="The model to fine-tune: an alias, a .gguf file or a Hugging Face folder with a chat template.")
+def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) -> None:
     """Fine-tune SmolLM2-135M-Instruct with LoRA on the bundled data, then show before and after.
 
     Says up front how long it expects to take here (from a matmul benchmark it runs first), then
@@ -68,17 +70,19 @@ def demo(long_demo: bool, steps: int | None, threads: int | None) -> None:
     from ..report import Phase
 
     began = time.monotonic()
+    if Path(model).expanduser().exists():  # the job file lives elsewhere: a path must not depend on the cwd
+        model = str(Path(model).expanduser().resolve())
     threads = threads or len(os.sched_getaffinity(0))
     plan = dict(LONG if long_demo else QUICK)
     if steps is not None:
         plan.update(steps=steps, eval_every=max(steps // 2, 1), log_every=max(1, min(10, steps // 8)))
     folder = home() / "demo"
     folder.mkdir(exist_ok=True)
-    job_path = _demo_job(folder, plan, threads)
+    job_path = _demo_job(folder, plan, threads, model)
     prompts = json.loads((resources.files("lodger") / "demo" / "prompts.json").read_text())
-    click.echo(f"lodger demo: LoRA fine-tuning of SmolLM2-135M-Instruct on the bundled chats, {plan['steps']} "
-               f"steps on {threads} threads; job file {job_path}")
-    first_use = _prepare_model()
+    click.echo(f"lodger demo: LoRA fine-tuning of {model} on the bundled chats, {plan['steps']} steps on "
+               f"{plan_threads(threads)}; job file {job_path}")
+    first_use = _prepare_model(model)
     with Phase("measuring this machine (a matmul benchmark) for the forecast"):
         from ..train.throughput import rate_record
 
@@ -97,19 +101,25 @@ def demo(long_demo: bool, steps: int | None, threads: int | None) -> None:
     _train_and_show(run_id, prepared, prompts, threads, job_path, began, sum(forecast.values()) + first_use)
 
 
-def _prepare_model() -> float:
-    """Convert the default model on its first use, saying so; the seconds it took (0: done before)."""
+def plan_threads(threads: int) -> str:
+    from ..report import plural
+
+    return plural(threads, "thread")
+
+
+def _prepare_model(model: str) -> float:
+    """Convert a GGUF model on its first use, saying so; the seconds it took (0: nothing to do)."""
     from ..home import cache_dir
     from ..model import model_folder, preparation_notice, resolve_source
     from ..report import Phase
 
-    source = resolve_source(MODEL)
+    source = resolve_source(model)
     if preparation_notice(source) is None:
         return 0.0
     size = source.path.stat().st_size / 2**20
-    click.echo(f"first use of {MODEL}: its GGUF file ({size:.0f} MiB) is converted once into a Hugging Face "
+    click.echo(f"first use of {model}: its GGUF file ({size:.0f} MiB) is converted once into a Hugging Face "
                f"folder in {cache_dir('models')}; later runs skip this")
-    with Phase(f"converting {MODEL}", expected=max(5.0, size * CONVERT_SECONDS_PER_MIB), after=0.0) as phase:
+    with Phase(f"converting {model}", expected=max(5.0, size * CONVERT_SECONDS_PER_MIB), after=0.0) as phase:
         model_folder(source)
     return phase.seconds
 
@@ -139,10 +149,11 @@ def _forecast_text(forecast: dict[str, float], rate: dict, first_use: float, thr
     done = f" (after the {first_use:.0f} s of converting the model)" if first_use else ""
     text = (f"expected: about {clock(sum(forecast.values()))} from here{done}: {parts}; from a "
             f"{rate['seconds']:.1f} s matmul benchmark just now: {rate['flops_per_second'] / 1e9:.1f} GFLOP/s "
-            f"on {threads} threads, {rate_conditions(rate)}")
+            f"on {plan_threads(threads)}, {rate_conditions(rate)}")
     if not rate["quiet"]:
-        text += ("\n  the machine is busy: training threads that wait for each other lose more than the "
-                 "benchmark did, so expect longer")
+        text += ("\n  the machine is busy, so expect longer: lodger trains at a lower priority (nice 10: the "
+                 "machine's other work goes first), and threads that wait for each other lose more than the "
+                 "benchmark did")
     return text
 
 
@@ -151,9 +162,12 @@ def _train_and_show(run_id: str, prepared, prompts: list[str], threads: int, job
     from ..home import run_dir
     from ..ledger import Ledger
     from ..report import clock
+    from ..report import Phase
     from ..run import execute
 
-    status = execute(run_id, prepared, resuming=False)
+    # ends when the run's own live line starts (report.hand_over): loading, the attention probe
+    with Phase("loading the model and starting the run"):
+        status = execute(run_id, prepared, resuming=False)
     if status != "finished":
         click.echo(f"demo {status}; continue it with `lodger resume {run_id}`")
         return
@@ -174,21 +188,23 @@ def _train_and_show(run_id: str, prepared, prompts: list[str], threads: int, job
 
 
 def next_steps(run_id: str, job_path: Path) -> str:
-    """What to try next, as commands for the run just made."""
-    rows = [
-        ("kill it, resume it", f"lodger run {job_path} --detach",
-         "a second run of this job in the background; it prints its id (NEW) and pid (PID)"),
-        ("", "kill -9 PID; lodger resume NEW", "it goes on from its newest checkpoint"),
-        ("compare", f"lodger compare NEW {run_id}", "bitwise equal to this run, kill and all"),
-        ("chat with it", f"lodger chat {run_id}", "an empty line ends"),
-        ("serve it", f"lodger serve --run {run_id}", "an OpenAI-compatible API on 127.0.0.1:8000"),
-        ("export it", f"lodger export {run_id} ./demo-export --format peft,gguf",
-         "a peft adapter and a GGUF file for llama.cpp / Ollama"),
-        ("look at it", f"lodger show {run_id}", "progress, checkpoints, the matmul rate, events"),
-    ]
-    width = max(len(command) for _, command, _ in rows)
-    lines = ["", "try next:"] + [f"  {what:<18} {command:<{width}}   # {why}" for what, command, why in rows]
-    return "\n".join(lines)
+    """What to try next, as commands for the run just made (comments say what each shows)."""
+    return "\n".join([
+        "",
+        f"try next, with this run ({run_id}):",
+        "  # kill a run and resume it: a second run of this job, in the background, prints its id (NEW) and pid (PID)",
+        f"  lodger run {job_path} --detach",
+        "  kill -9 PID; lodger resume NEW",
+        "  # compare: bitwise equal to this run, kill and all",
+        f"  lodger compare NEW {run_id}",
+        "  # chat with it (an empty line ends), or serve it: an OpenAI-compatible API on 127.0.0.1:8000",
+        f"  lodger chat {run_id}",
+        f"  lodger serve --run {run_id}",
+        "  # export it: the peft adapter, and a GGUF file for llama.cpp / Ollama",
+        f"  lodger export {run_id} ./demo-export --format peft,gguf",
+        "  # look at it: progress, checkpoints, the matmul rate MFU divides by, events",
+        f"  lodger show {run_id}",
+    ])
 
 
 def _answers(folder: Path, adapter: Path, prompts: list[str], threads: int) -> tuple[list[str], list[str]]:
