@@ -84,10 +84,6 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
     click.echo(f"lodger demo: LoRA fine-tuning of {model} on the bundled chats, {plan['steps']} steps on "
                f"{plan_threads(threads)}; job file {job_path}")
     first_use = _prepare_model(model)
-    with Phase("measuring this machine (a matmul benchmark) for the forecast"):
-        from ..train.throughput import rate_record
-
-        rate = rate_record(threads, "fp32", "cpu", fresh=True)
     with Phase("measuring the training runtime's memory (first use: a fresh process imports torch)"):
         from ..memory import runtime_bytes
 
@@ -96,6 +92,10 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
         from ..run import create_run
 
         run_id, prepared = create_run(job_path)
+    with Phase("measuring this machine (a matmul benchmark) for the forecast"):
+        from ..train.throughput import rate_record
+
+        rate = rate_record(threads, prepared.job.training.precision, prepared.device, fresh=True)
     forecast = _forecast(prepared, rate, len(prompts))
     click.echo(_forecast_text(forecast, rate, first_use, threads, nice))
     click.echo(f"run {run_id}")
