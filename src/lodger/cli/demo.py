@@ -51,7 +51,8 @@ def _demo_job(folder: Path, plan: dict, threads: int, model: str) -> Path:
 @click.option("--long", "long_demo", is_flag=True, help="The longer demo: 80 steps, about twice the training time.")
 @click.option("--steps", type=click.IntRange(1), default=None,
               help="Optimizer steps (default 40, or 80 with --long); evals at the start, half-way and the end.")
-@click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads (default: all cores).")
+@click.option("--threads", type=click.IntRange(1), default=None,
+              help="CPU threads (default: every core, or those other work leaves free).")
 @click.option("--model", default=MODEL, show_default=True,
               help="The model to fine-tune: an alias, a .gguf file or a Hugging Face folder with a chat template.")
 def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) -> None:
@@ -72,7 +73,7 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
     began = time.monotonic()
     if Path(model).expanduser().exists():  # the job file lives elsewhere: a path must not depend on the cwd
         model = str(Path(model).expanduser().resolve())
-    threads = threads or len(os.sched_getaffinity(0))
+    threads, why = (threads, "") if threads else _threads_for_now()
     plan = dict(LONG if long_demo else QUICK)
     if steps is not None:
         plan.update(steps=steps, eval_every=max(steps // 2, 1), log_every=max(1, min(10, steps // 8)))
@@ -82,7 +83,7 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
     nice = _lower_priority(job_path)
     prompts = json.loads((resources.files("lodger") / "demo" / "prompts.json").read_text())
     click.echo(f"lodger demo: LoRA fine-tuning of {model} on the bundled chats, {plan['steps']} steps on "
-               f"{plan_threads(threads)}; job file {job_path}")
+               f"{plan_threads(threads)}{why}; job file {job_path}")
     first_use = _prepare_model(model)
     with Phase("measuring the training runtime's memory (first use: a fresh process imports torch)"):
         from ..memory import runtime_bytes
@@ -100,6 +101,24 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
     click.echo(_forecast_text(forecast, rate, first_use, threads, nice))
     click.echo(f"run {run_id}")
     _train_and_show(run_id, prepared, prompts, threads, job_path, began, sum(forecast.values()) + first_use)
+
+
+def _threads_for_now() -> tuple[int, str]:
+    """(threads, why): every core while the machine is quiet; while other work keeps cores busy,
+    the cores it leaves (at least one). Two threads on a 2-core machine that something else keeps
+    busy wait for each other at every matrix multiply: measured here, a demo step took 13-25 s on
+    2 threads against 2.7 s on 1 (1.45 s on 2 idle cores)."""
+    from ..train.throughput import cores_in_use
+
+    cores = len(os.sched_getaffinity(0))
+    busy = cores_in_use(0.5)
+    if busy is None or cores - busy >= cores - 0.5:
+        return cores, ""
+    threads = max(1, min(cores, round(cores - busy)))
+    if threads == cores:
+        return cores, ""
+    return threads, (f" (other work keeps {busy:.1f} of the {cores} cores busy; threads that wait for each other "
+                     f"lose more than the missing cores: `--threads {cores}` to insist)")
 
 
 def _lower_priority(job_path: Path) -> int:
@@ -168,8 +187,9 @@ def _forecast_text(forecast: dict[str, float], rate: dict, first_use: float, thr
             f"{rate['seconds']:.1f} s matmul benchmark just now: {rate['flops_per_second'] / 1e9:.1f} GFLOP/s "
             f"on {plan_threads(threads)} at nice {nice}, {rate_conditions(rate)}")
     if not rate["quiet"]:
-        text += (f"\n  the machine is busy, so expect longer: at nice {nice} the machine's other work comes first "
-                 "([limits] nice), and training threads that wait for each other lose more than the benchmark did")
+        kind = (f"at nice {nice} the machine's other work comes first ([limits] nice), and " if nice > 0 else "")
+        text += (f"\n  the machine is busy, so expect longer: {kind}training threads that wait for each other "
+                 "lose more than the benchmark did")
     return text
 
 

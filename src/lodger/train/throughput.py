@@ -52,7 +52,7 @@ def flops_per_second(threads: int | None = None, precision: str = "fp32", second
     return measure_once(threads, precision, seconds, device)["flops_per_second"]
 
 
-def _cpu_busy() -> tuple[float, int] | None:
+def cpu_busy() -> tuple[float, int] | None:
     """(CPU seconds every CPU of the machine has spent busy, steal time included, number of CPUs),
     from /proc/stat; None where there is none."""
     try:
@@ -65,6 +65,17 @@ def _cpu_busy() -> tuple[float, int] | None:
     busy = sum(fields[:3]) + sum(fields[5:8])
     cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
     return busy / os.sysconf("SC_CLK_TCK"), max(cpus, 1)
+
+
+def cores_in_use(seconds: float = 1.0) -> float | None:
+    """How many of the machine's CPUs other processes keep busy, sampled over ``seconds`` (this
+    process sleeping meanwhile); None where /proc/stat is missing."""
+    before, own = cpu_busy(), time.process_time()
+    time.sleep(seconds)
+    after, own = cpu_busy(), time.process_time() - own
+    if not before or not after:
+        return None
+    return max(0.0, (after[0] - before[0] - own) / seconds)
 
 
 def measure_once(threads: int | None = None, precision: str = "fp32", seconds: float = 0.2,
@@ -91,14 +102,14 @@ def measure_once(threads: int | None = None, precision: str = "fp32", seconds: f
         b = torch.randn(size, size, dtype=dtype, device=device, generator=g)
         torch.mm(a, b)  # warm-up: first call picks kernels
         sync()
-        busy_before, cpu_before = _cpu_busy(), time.process_time()
+        busy_before, cpu_before = cpu_busy(), time.process_time()
         flops, started = 0.0, time.perf_counter()
         while time.perf_counter() - started < seconds:
             torch.mm(a, b)
             sync()
             flops += 2.0 * (size // 2) * size * size
         wall = time.perf_counter() - started
-        own, busy_after = time.process_time() - cpu_before, _cpu_busy()
+        own, busy_after = time.process_time() - cpu_before, cpu_busy()
     finally:
         torch.set_num_threads(before)
     others = None
