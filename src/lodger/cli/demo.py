@@ -187,9 +187,10 @@ def _forecast_text(forecast: dict[str, float], rate: dict, first_use: float, thr
             f"{rate['seconds']:.1f} s matmul benchmark just now: {rate['flops_per_second'] / 1e9:.1f} GFLOP/s "
             f"on {plan_threads(threads)} at nice {nice}, {rate_conditions(rate)}")
     if not rate["quiet"]:
-        kind = (f"at nice {nice} the machine's other work comes first ([limits] nice), and " if nice > 0 else "")
-        text += (f"\n  the machine is busy, so expect longer: {kind}training threads that wait for each other "
-                 "lose more than the benchmark did")
+        why = [f"at nice {nice} the machine's other work comes first ([limits] nice)"] if nice > 0 else []
+        if threads > 1:
+            why.append("training threads that wait for each other lose more than the benchmark did")
+        text += "\n  the machine is busy, so expect longer" + (": " + "; ".join(why) if why else "")
     return text
 
 
