@@ -111,8 +111,9 @@ def _threads_for_now() -> tuple[int, str]:
     from ..train.throughput import cores_in_use
 
     cores = len(os.sched_getaffinity(0))
-    busy = cores_in_use(0.5)
-    if busy is None or cores - busy >= cores - 0.5:
+    samples = [cores_in_use(0.5) for _ in range(2)]  # the quieter of two: a burst is not a busy machine
+    busy = None if None in samples else min(samples)
+    if busy is None or busy <= 0.5:
         return cores, ""
     threads = max(1, min(cores, round(cores - busy)))
     if threads == cores:

@@ -42,7 +42,7 @@ def token_flops(matmul: float, trainable_matmul: float, attention_width: float, 
 
 QUIET_OTHERS = 0.10
 """A measurement is quiet when other processes used under this share of the machine's CPUs
-while it ran (from /proc/stat); the load average lags a minute and counts the run itself."""
+while it ran (``cpu_busy``); the load average lags a minute and counts the run itself."""
 TRIES = 3  # measurements while others are busy, the fastest kept
 
 
@@ -54,22 +54,21 @@ def flops_per_second(threads: int | None = None, precision: str = "fp32", second
 
 def cpu_busy() -> tuple[float, int] | None:
     """(CPU seconds every CPU of the machine has spent busy, steal time included, number of CPUs),
-    from /proc/stat; None where there is none."""
+    from psutil (/proc/stat on Linux); None where it cannot tell."""
     try:
-        with open("/proc/stat") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
+        import psutil
+
+        t = psutil.cpu_times()
+    except (ImportError, OSError, RuntimeError):
         return None
-    fields = [int(x) for x in lines[0].split()[1:]]
-    # user nice system idle iowait irq softirq steal (guest time is inside user already)
-    busy = sum(fields[:3]) + sum(fields[5:8])
-    cpus = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
-    return busy / os.sysconf("SC_CLK_TCK"), max(cpus, 1)
+    # guest time is inside user already; steal is time a VM's host gave to others
+    busy = t.user + t.system + sum(getattr(t, name, 0.0) for name in ("nice", "irq", "softirq", "steal"))
+    return busy, psutil.cpu_count() or 1
 
 
 def cores_in_use(seconds: float = 1.0) -> float | None:
     """How many of the machine's CPUs other processes keep busy, sampled over ``seconds`` (this
-    process sleeping meanwhile); None where /proc/stat is missing."""
+    process sleeping meanwhile); None where ``cpu_busy`` cannot tell."""
     before, own = cpu_busy(), time.process_time()
     time.sleep(seconds)
     after, own = cpu_busy(), time.process_time() - own
