@@ -171,6 +171,11 @@ def show(run_id: str, as_json: bool) -> None:
         measured = f", measured peak {peak / 2**30:.2f} GiB (ratio {peak / estimate['total_bytes']:.2f})" if peak else ""
         click.echo(f"memory    estimated {estimate['total_bytes'] / 2**30:.2f} GiB on {estimate['device']} "
                    f"(largest: {estimate['largest']}){measured}{' [forced past pre-flight]' if estimate['forced'] else ''}")
+    rate = next((e["data"] for e in reversed(events) if e["kind"] == "matmul_rate"), None)
+    if rate:  # what the step lines' MFU divides by
+        from ..runview import rate_text
+
+        click.echo(f"mfu peak  {rate_text(rate)}")
     interval = next((e["data"] for e in reversed(events) if e["kind"] == "checkpoint_interval"), None)
     if interval:
         from ..ckpt_interval import describe_event

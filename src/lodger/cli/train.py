@@ -83,11 +83,13 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     """
     from ..jobfile import load_job
     from ..launch import start
+    from ..report import Phase
     from ..run import create_run
 
     started = time.monotonic()
     announced = announce_first_use(load_job(job), quiet)
-    run_id, prepared = create_run(job, threads, managed=detach, force=force)
+    with Phase("checking the job and its data, tokenising, estimating memory", err=True, quiet=quiet):
+        run_id, prepared = create_run(job, threads, managed=detach, force=force)
     log_to_run(run_id)
     if announced:
         first_use_done(started)
@@ -97,7 +99,16 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     if detach:
         _detach(run_id, fresh=True, world_size=prepared.job.training.world_size, quiet=quiet)
         return
-    start(run_id, prepared, resuming=False, quiet=quiet)
+    with _starting(prepared, quiet):
+        start(run_id, prepared, resuming=False, quiet=quiet)
+
+
+def _starting(prepared, quiet: bool, what: str = "loading the model and starting the run"):
+    """A phase that lasts until the run's own lines start (report.hand_over); one process only:
+    with several, the run's lines come from another process."""
+    from ..report import Phase
+
+    return Phase(what, quiet=quiet or prepared.job.training.world_size > 1)
 
 
 def announce_first_use(job, quiet: bool) -> bool:
@@ -220,7 +231,8 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
     # Alone, this process takes the run before it loads the model and restores the checkpoint: a
     # pause sent meanwhile is answered as soon as the model is loaded, not refused as "not training".
     taken = take_run(run["id"]) if (world_size or prepared.job.training.world_size) == 1 else None
-    start(run["id"], prepared, resuming=True, quiet=quiet, taken=taken)
+    with _starting(prepared, quiet, "loading the model"):
+        start(run["id"], prepared, resuming=True, quiet=quiet, taken=taken)
 
 
 def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | None, force: bool):

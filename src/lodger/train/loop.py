@@ -60,7 +60,7 @@ def evaluate(st: "TrainState", step: int, recorder: "Recording", control: "Contr
     total: list[float] = []
     sums = None
     try:
-        for start in starts:
+        for done, start in enumerate(starts, 1):
             batch = padded_batch(st.eval_set, st.eval_indices[start:start + size], st.pad_id)
             with st.precision.autocast():
                 terms, batch_sums = st.objective.terms(st.model, batch, st.device)
@@ -68,6 +68,7 @@ def evaluate(st: "TrainState", step: int, recorder: "Recording", control: "Contr
             total = values if not total else [a + b for a, b in zip(total, values)]
             if batch_sums is not None:
                 sums = batch_sums if sums is None else sums + batch_sums
+            recorder.reporter.eval_progress(step, done, len(starts))
     finally:
         control.in_step = False
         st.model.train()

@@ -89,6 +89,9 @@ class Recorder:
             mfu = self.work.mfu(computed, padded, seconds, tokens, attended) if self.work is not None else None
             if mfu is not None:
                 fields["mfu"] = round(mfu, 4)
+            rate = self.work.take_new_rate() if self.work is not None else None
+            if rate is not None:  # what MFU divides by, and how it was measured (`lodger show`)
+                self.ledger.event(self.run_id, "matmul_rate", step=self.progress.step, **rate)
         return fields
 
     def spike(self, step: int, loss: float, zscore: float) -> None:
