@@ -70,16 +70,24 @@ demo: $(STAMP)
 # fixtures once.
 PARALLEL := -n 2 --dist loadgroup
 
-# The fast suite on two workers, then the tests that need the machine to themselves (they measure
-# its whole CPU load), then the slow smoke tests on the real SmolLM2 (independent: two workers).
-test: $(DEV_STAMP)
-	$(PY) -m pytest -q $(PARALLEL) -m 'not slow and not gpu and not solo'
-	$(PY) -m pytest -q -m solo
-	$(PY) -m pytest -q $(PARALLEL) -m slow
+# Static checks first (ruff's rule set and mypy's files are in pyproject.toml), then the fast
+# suite on two workers, then the tests that need the machine to themselves (they measure its
+# whole CPU load), then the slow smoke tests on the real SmolLM2 (independent: two workers). Each
+# pytest run ends with its slowest 15 tests, so the next change sees where the time goes.
+DURATIONS := --durations=15 --durations-min=1
+test: $(DEV_STAMP) lint
+	$(PY) -m pytest -q $(PARALLEL) $(DURATIONS) -m 'not slow and not gpu and not solo'
+	$(PY) -m pytest -q $(DURATIONS) -m solo
+	$(PY) -m pytest -q $(PARALLEL) $(DURATIONS) -m slow
 
-test-fast: $(DEV_STAMP)
+test-fast: $(DEV_STAMP) lint
 	$(PY) -m pytest -q -x $(PARALLEL) -m 'not slow and not gpu and not solo'
 	$(PY) -m pytest -q -x -m solo
+
+.PHONY: lint
+lint: $(DEV_STAMP)
+	$(PY) -m ruff check src tests bench scripts
+	$(PY) -m mypy
 
 bench: $(DEV_STAMP)
 	$(PY) bench/overhead.py

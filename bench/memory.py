@@ -105,7 +105,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     rate = memory.flops_per_second(common.THREADS)
     allocator = "pinned mmap threshold" if args.pinned else "glibc default allocator"
-    print(f"# SmolLM2-135M, objective {args.objective}, batch {args.batch}, {args.steps} steps per measurement, {common.THREADS} threads, "
+    print(f"# SmolLM2-135M, objective {args.objective}, batch {args.batch}, {args.steps} steps per measurement, "
+          f"{common.THREADS} threads, "
           f"{allocator}, runtime {runtime / GiB:.2f} GiB, matmul {rate / 1e9:.0f} GFLOP/s, "
           f"load average {load:.1f}", flush=True)
     started = time.perf_counter()

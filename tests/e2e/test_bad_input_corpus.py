@@ -371,7 +371,8 @@ def dataset_that_may_not_train(w):
     _register(w, data)
     result = run_lodger(["data", "revoke", "corpus", "--train"], w.env)
     assert result.returncode == 0, describe(result)
-    return ["run", w.job(train="dataset:corpus")], ["dataset:corpus", "may not train models", "lodger data grant corpus --train"]
+    return ["run", w.job(train="dataset:corpus")], ["dataset:corpus", "may not train models",
+                                                     "lodger data grant corpus --train"]
 
 
 # -- preference data and objectives -------------------------------------------------------------

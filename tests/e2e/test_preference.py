@@ -81,7 +81,8 @@ def dpo_baseline(tmp_path_factory, dpo_job) -> dict:
             "adapter": final_adapter_bytes(folder)}
 
 
-def test_dpo_killed_mid_checkpoint_released_held_and_killed_at_a_random_step_resumes_bitwise(dpo_job, dpo_baseline, tmp_path):
+def test_dpo_killed_mid_checkpoint_released_held_and_killed_at_a_random_step_resumes_bitwise(dpo_job, dpo_baseline,
+                                                                                              tmp_path):
     base = dpo_baseline["records"]
     train = [r for r in base if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (TOTAL_STEPS, checkpoint_dirs, describe, event_kinds, final_adapter_bytes, lodger_env,
+from helpers import (TOTAL_STEPS, describe, event_kinds, final_adapter_bytes, lodger_env,
                      read_metrics, run_dir_of, run_lodger, show, train_records, wait_for_step, wait_until,
                      write_job)
 

@@ -376,7 +376,7 @@ def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s
     import tempfile
 
     from helpers import (describe, event_kinds, final_adapter_bytes, lodger_env, run_dir_of, run_lodger, show,
-                         train_records, wait_for_step, wait_until)
+                         train_records, wait_for_step)
     from test_remote_ray import RAY_ENV, _remote_events, _submit_through_gate, _wait_synced
 
     from lodger.runlock import lock_pid

@@ -196,7 +196,6 @@ def test_the_bound_is_two_levels_per_client_over_the_weights_and_exact_weights_a
 
 def test_flowers_clipping_runs_inside_the_secure_round_and_central_noise_goes_on_the_unmasked_mean(
         flower_task, lodger_home):
-    from lodger.federated.messages import Reply
     from lodger.federated.rounds import RoundStore
     from lodger.federated.server import Answered, Rules, commit_round
     from lodger.ledger import Ledger

@@ -328,7 +328,7 @@ def test_concurrent_writers_and_a_reader_lose_no_event(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (out, err) in zip(procs, outputs):
+    for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err
     assert all(len(runs) <= writers for runs in listings)
 

@@ -27,7 +27,8 @@ from .place import (is_remote, on_shared_folder, remote_home, remote_info, remot
                     run_key, run_storage)
 
 __all__ = ["TERMINAL", "RemoteError", "backend_for", "cancel", "is_remote", "job_logs", "job_status",
-           "pause", "answered_state", "remote_home", "remote_info", "remote_run_dir", "resume", "run_key", "run_storage", "submit"]
+           "pause", "answered_state", "remote_home", "remote_info", "remote_run_dir", "resume", "run_key", "run_storage",
+           "submit"]
 
 
 def backend_for(run: dict) -> Backend:

@@ -50,6 +50,8 @@ class Reporting(Protocol):
 
     def eval_started(self, step: int, examples: int, batches: int) -> None: ...
 
+    def eval_progress(self, step: int, done: int, batches: int) -> None: ...
+
 
 class Recording(Protocol):
     """Metric lines, eval results and events of the run (record.py)."""

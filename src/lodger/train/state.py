@@ -62,7 +62,8 @@ class Prepared:
 @dataclass(kw_only=True)
 class TrainState:
     """What the loop steps, and nothing that records, saves or synchronises (those are given to
-    ``train`` apart). Keyword-only: its fields are many and alike. ``planner`` turns a sampler position into the step's micro-batches
+    ``train`` apart). Keyword-only: its fields are many and alike. ``planner`` turns a sampler position into the
+    step's micro-batches
     (packing.py); ``progress``, the guard, the optimizer, the weights and the scaler are what a
     checkpoint holds (holders.py)."""
 
@@ -243,7 +244,8 @@ class Session:
             return
         from .reference import ready
 
-        if self.progress.step and getattr(self.train_set, "reference", None) is None:  # restored without one: never by the contract
+        # restored without one: never, by the contract (the holder's problems() make such a checkpoint damaged)
+        if self.progress.step and getattr(self.train_set, "reference", None) is None:
             from ..errors import RunStateError
 
             raise RunStateError(f"run {self.run_id}: its checkpoint at step {self.progress.step} holds no "
@@ -266,7 +268,8 @@ class Session:
 
     def provenance(self) -> dict:
         p = self.p
-        data: dict[str, Any] = {"train": {"path": str(p.train_file.path), "sha256": p.train_file.sha256, "bytes": p.train_file.size,
+        data: dict[str, Any] = {"train": {"path": str(p.train_file.path), "sha256": p.train_file.sha256,
+                                          "bytes": p.train_file.size,
                           "lines": len(p.train_file.rows)}}
         if p.eval_file is not None:
             data["eval"] = {"path": str(p.eval_file.path), "sha256": p.eval_file.sha256,

@@ -130,6 +130,7 @@ def measure_rate(threads: int, precision: str, device: str = "cpu", tries: int =
         if found["quiet"] or attempt == tries:
             break
         time.sleep(0.5)  # give whatever else runs a moment to finish
+    assert best is not None  # tries >= 1
     best["tries"] = attempt
     return best
 
@@ -228,17 +229,19 @@ class StepWork:
             return None
         if self.rate is None:
             self._take(rate_record(self.threads, self.precision, self.device))
+        rate = float(self.rate or 0.0)  # set by _take
         work = self.flops(computed, padded, tokens // self.world, attended) / seconds
-        if work > self.rate and not self.remeasured:
+        if work > rate and not self.remeasured:
             # A step cannot beat the machine's peak: the rate was measured while something else
             # ran (or the machine got faster since). Measure again, between steps, once a run.
             self.remeasured = True
             found = measure_rate(self.threads, self.precision, self.device)
-            if found["flops_per_second"] > self.rate:
+            if found["flops_per_second"] > rate:
                 self._take({**found, "cached": False, "reason": "a step beat the rate"})
+                rate = float(found["flops_per_second"])
         # Above 1 the denominator is wrong, not the step fast: a number people would read as the
         # machine's peak being exceeded. Left out (None) rather than shown or recorded.
-        return work / self.rate if work <= self.rate else None
+        return work / rate if work <= rate else None
 
     def _take(self, record: dict) -> None:
         self.rate, self.rate_info, self.new_rate = float(record["flops_per_second"]), record, record
