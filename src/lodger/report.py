@@ -19,6 +19,10 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .train.record import StepRecord
 
 ETA_WINDOW = 20  # recent steps the ETA is computed from (the first steps are slower: warm-up, caches)
 TICK = 1.0  # seconds between redraws of the live line at a terminal
@@ -120,11 +124,12 @@ class Reporter:
             return None
         return (self.total - step) * sum(self.recent) / len(self.recent)
 
-    def step(self, step: int, total: int, loss: float, grad_norm: float, lr: float, tokens: int,
-             seconds: float, show: bool, held: float = 0.0, padding: float | None = None,
+    def step(self, s: "StepRecord", total: int, show: bool, padding: float | None = None,
              mfu: float | None = None) -> None:
-        """``padding``: share of the computed positions that were padding; ``mfu``: model FLOPs
-        utilisation (train/throughput.py); either left out of the line when unknown."""
+        """The step line of a step's record (train/record.py). ``padding``: share of the computed
+        positions that were padding; ``mfu``: model FLOPs utilisation (train/throughput.py);
+        either left out of the line when unknown."""
+        step, loss, grad_norm, lr, tokens, seconds, held = s.step, s.loss, s.grad_norm, s.lr, s.tokens, s.seconds, s.held
         self.recent.append(seconds)
         self.total = total
         elapsed = time.monotonic() - self.began

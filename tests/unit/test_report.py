@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lodger.train.record import StepRecord
 from lodger import report
 from lodger.report import Phase, Reporter, _waste, eval_eta
 
@@ -23,7 +24,8 @@ def test_the_eval_eta_counts_down_from_the_pace_of_its_batches():
 def test_the_step_line_says_its_tokens_per_second_are_target_tokens(tmp_path):
     rep = Reporter(tmp_path / "log.txt", total=4, start=0, live=False, quiet=True)
     rep.started(0)
-    rep.step(1, 4, loss=2.5, grad_norm=1.0, lr=1e-3, tokens=160, seconds=2.0, show=True, padding=0.0, mfu=0.4)
+    rep.step(StepRecord(step=1, loss=2.5, grad_norm=1.0, lr=1e-3, tokens=160, seconds=2.0), 4, show=True,
+             padding=0.0, mfu=0.4)
     rep.close()
     line = (tmp_path / "log.txt").read_text()
     assert "target tok/s 80 | pad 0% | mfu 40.0%" in line, line
@@ -32,7 +34,7 @@ def test_the_step_line_says_its_tokens_per_second_are_target_tokens(tmp_path):
 def test_the_live_line_eta_counts_down_between_steps(tmp_path):
     rep = Reporter(tmp_path / "log.txt", total=10, start=0, live=False, quiet=True)
     rep.started(0)
-    rep.step(1, 10, loss=2.5, grad_norm=1.0, lr=1e-3, tokens=100, seconds=2.0, show=False)
+    rep.step(StepRecord(step=1, loss=2.5, grad_norm=1.0, lr=1e-3, tokens=100, seconds=2.0), 10, show=False)
     assert rep._train_info().endswith("eta 0:18"), rep._train_info()
     step, loss, rate, when = rep.last
     rep.last = (step, loss, rate, when - 5.0)  # as if five seconds had gone by since the step

@@ -26,6 +26,7 @@ from ..packing import padded_batch
 from ..rng import capture as capture_rng
 from ..rng import restore as restore_rng
 from .optim import lr_at
+from .record import StepRecord
 from .step import install_yield_points, micro_step, optimizer_step  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
@@ -159,11 +160,12 @@ def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
         p.position = plan.end
         p.tokens += step_tokens
         held = control.held_seconds - held_before  # the owner's time, not the step's: reported apart
-        rec.step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
-                 seconds=time.perf_counter() - started - held, held=held, skipped=not finite or overflow,
-                 samples=None if finite else [int(st.train_set.lines[i]) for i in plan.indices()],
-                 computed=computed, padded=padded, attended=attended,
-                 metrics=None if sums is None else st.objective.metrics(sums, weights))
+        rec.step(StepRecord(
+            step=p.step, loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
+            seconds=time.perf_counter() - started - held, held=held, skipped=not finite or overflow,
+            samples=None if finite else tuple(int(st.train_set.lines[i]) for i in plan.indices()),
+            computed=computed, padded=padded, attended=attended,
+            metrics={} if sums is None else st.objective.metrics(sums, weights)))
         if verdict == "spike":
             rec.spike(p.step, loss_value, zscore)
         if verdict == "rollback":
