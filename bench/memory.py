@@ -11,6 +11,7 @@ from the local config.json with accelerate's own functions (the command itself n
     python bench/memory.py                       # 8 measurements, batch 2, 3 steps each
     python bench/memory.py --quick               # LoRA and full at seq 128 without checkpointing
     python bench/memory.py --batch 4 --steps 2 --seqs 128 256 --jobs 1
+    python bench/memory.py --quick --objective dpo   # pairs: two sequences per example
 
 Result lines: `memory lora seq128 gc=off: estimate 1.23 GiB, measured 1.20 GiB, ratio 1.03`
 (goal 0.9-1.1 each).
@@ -32,12 +33,13 @@ import common  # noqa: E402
 GiB = 2**30
 
 
-def make_job(kind: str, batch: int, seq: int, gc: bool):
+def make_job(kind: str, batch: int, seq: int, gc: bool, objective: str = "sft"):
     from lodger.config import JobConfig
 
     return JobConfig.model_validate({
         "model": {"source": common.MODEL_ALIAS},
-        "method": {"kind": kind, "rank": common.RANK, "alpha": common.ALPHA, "target_modules": list(common.TARGETS)},
+        "method": {"kind": kind, "rank": common.RANK, "alpha": common.ALPHA, "target_modules": list(common.TARGETS),
+                   "objective": objective},
         "data": {"train": "unused.jsonl", "max_length": seq},
         "training": {"steps": 3, "batch_size": batch, "threads": common.THREADS, "seed": common.SEED,
                      "gradient_checkpointing": gc}})
@@ -84,6 +86,8 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--jobs", type=int, default=2, help="measurements running at once (memory is per process)")
     parser.add_argument("--quick", action="store_true", help="LoRA and full at the first sequence length, no checkpointing")
+    parser.add_argument("--objective", default="sft", choices=["sft", "dpo", "orpo", "kto"],
+                        help="a preference objective: each micro-batch holds batch pairs (docs/preference.md)")
     parser.add_argument("--pinned", action="store_true",
                         help="measure and estimate with glibc's mmap threshold pinned (memory.pin_allocator)")
     args = parser.parse_args()
@@ -101,14 +105,15 @@ def main() -> None:
     load = os.getloadavg()[0]
     rate = memory.flops_per_second(common.THREADS)
     allocator = "pinned mmap threshold" if args.pinned else "glibc default allocator"
-    print(f"# SmolLM2-135M, batch {args.batch}, {args.steps} steps per measurement, {common.THREADS} threads, "
+    print(f"# SmolLM2-135M, objective {args.objective}, batch {args.batch}, {args.steps} steps per measurement, "
+          f"{common.THREADS} threads, "
           f"{allocator}, runtime {runtime / GiB:.2f} GiB, matmul {rate / 1e9:.0f} GFLOP/s, "
           f"load average {load:.1f}", flush=True)
     started = time.perf_counter()
 
     def one(case):
         kind, seq, gc = case
-        job = make_job(kind, args.batch, seq, gc)
+        job = make_job(kind, args.batch, seq, gc, args.objective)
         est = memory.estimate(job, config, runtime_bytes=runtime, flops_per_second=rate,
                               pinned_allocator=args.pinned)
         return case, est, memory.measure(job, folder, steps=args.steps, pinned_allocator=args.pinned)

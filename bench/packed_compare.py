@@ -20,7 +20,8 @@ byte-level tokenizer; built once in the bench home) so a run takes minutes on 2 
 
 Every side uses the same model folder, LoRA, learning rate schedule, threads, CPU priority
 (``[limits] nice = 0``: lodger's default nice 10 would hand a loaded machine's cores to the
-Trainer sides) and tokenised examples (``lodger.data.tokenize``), and trains every example once, so every side counts the same
+Trainer sides) and tokenised examples (``lodger.data.tokenize``), and trains every example once, so every side counts
+the same
 target tokens (the labelled positions: printed per side). Target tokens per second are the
 epoch's target tokens over the training steps' time: from the start of step 1 (lodger: its end
 stamp in metrics.jsonl minus its duration; the Trainer: a step-begin callback) to the end of the

@@ -216,7 +216,8 @@ class Checker:
         limit = max(5.0, min(timeout, self.left()))
         started = time.monotonic()
         try:
-            done = subprocess.run(self._command(args, stats), env={**self.env, **(env or {})}, cwd=self.work, capture_output=True,
+            done = subprocess.run(self._command(args, stats), env={**self.env, **(env or {})}, cwd=self.work,
+                                  capture_output=True,
                                   text=True, timeout=limit)
             rc, out, err = done.returncode, done.stdout, done.stderr
         except subprocess.TimeoutExpired as exc:
@@ -377,7 +378,8 @@ def check_memory(c: Checker, label: str, run: dict, estimate_cli: dict | None = 
         e = estimate_cli["estimate"]
         c.report.result(f"`lodger estimate --json` {label}", e["device"] == ("cpu" if c.cpu else "cuda"),
                         f"device {e['device']}, total {e['total_bytes'] / GiB:.3f} GiB (pre-flight said "
-                        f"{total / GiB:.3f} on {est['device']}), available_bytes {estimate_cli['available_bytes'] / GiB:.1f} "
+                        f"{total / GiB:.3f} on {est['device']}), available_bytes "
+                        f"{estimate_cli['available_bytes'] / GiB:.1f} "
                         f"GiB, fits {estimate_cli['fits']}")
 
 

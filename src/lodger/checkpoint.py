@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__, durable
+from .hashing import sha256_bytes
 from .errors import CheckpointError, DiskFull
 
 MANIFEST = "MANIFEST.json"
@@ -69,14 +70,10 @@ def _size_of(data) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values()) + 1024 * (1 + len(tensors) // 8)
 
 
-def _sha256(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _manifest_hash(manifest: dict) -> str:
     """Covers every field of the manifest but this one, so a flipped bit anywhere in it is caught."""
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return _sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return sha256_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 class _Hasher:
@@ -169,7 +166,7 @@ class CheckpointStore:
                 raise CheckpointError(f"{path.name}/{name}: missing") from None
             if not isinstance(meta, dict) or len(data) != meta.get("size"):
                 raise CheckpointError(f"{path.name}/{name}: size {len(data)}, manifest says {meta.get('size')}")
-            if _sha256(data) != meta.get("sha256"):
+            if sha256_bytes(data) != meta.get("sha256"):
                 raise CheckpointError(f"{path.name}/{name}: sha256 does not match the manifest (corrupt)")
             files[name] = data
         return Checkpoint(step=int(manifest["step"]), path=path, manifest=manifest, files=files)
@@ -287,13 +284,4 @@ def safetensors_problem(data: bytes) -> str | None:
     return None
 
 
-def hash_file(path: Path, chunk: int = 1 << 22) -> str:
-    """sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-__all__ = ["Checkpoint", "CheckpointStore", "FAULT_POINTS", "MANIFEST", "hash_file"]
+__all__ = ["Checkpoint", "CheckpointStore", "FAULT_POINTS", "MANIFEST"]

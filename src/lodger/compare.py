@@ -67,6 +67,56 @@ def final_weights(run_id: str) -> Path | None:
     return None
 
 
+def harness_scores(ledger: Ledger, run_id: str) -> dict[str, dict]:
+    """The run's newest lm-eval score of each task for each model `lodger eval` scored:
+    {label ("base", "adapter@step-24"): {task: row}}, each row with its metrics, hashes, harness
+    version, settings and ledger row."""
+    newest: dict[str, dict] = {}
+    for event in ledger.harness_evals(run_id):
+        data = event["data"]
+        scored = newest.setdefault(data["subject"]["label"], {})
+        for part in ("tasks", "groups"):
+            for task, row in (data.get(part) or {}).items():
+                scored[task] = {**row, "harness": data.get("harness"), "settings": data.get("settings"),
+                                "model_sha256": data["subject"].get("sha256"), "seq": event["seq"]}
+    return newest
+
+
+def harness_table(c: "Comparison") -> tuple[list[str], list[tuple[str, str, list]], list[str]]:
+    """lm-eval scores side by side: (column names, rows of (task, metric, [metric per column]),
+    notes on what makes a task's scores of A and B not comparable). Columns are "A base",
+    "A adapter@step-N", "B ...": every model scored for either run."""
+    columns = [(tag, run_id, label) for tag, run_id in (("A", c.a), ("B", c.b))
+               for label in c.harness.get(run_id, {})]
+    keys = sorted({(task, metric) for _, run_id, label in columns
+                   for task, row in c.harness[run_id][label].items() for metric in row.get("metrics", {})})
+    rows = [(task, metric, [c.harness[run_id][label].get(task, {}).get("metrics", {}).get(metric)
+                            for _, run_id, label in columns]) for task, metric in keys]
+    notes = []
+    for task in sorted({task for task, _ in keys}):
+        rows_a = [r[task] for r in c.harness.get(c.a, {}).values() if task in r]
+        rows_b = [r[task] for r in c.harness.get(c.b, {}).values() if task in r]
+        if rows_a and rows_b:
+            why = _not_comparable(rows_a[0], rows_b[0])
+            if why:
+                notes.append(f"{task}: not comparable between A and B ({'; '.join(why)})")
+    return [f"{tag} {label}" for tag, _, label in columns], rows, notes
+
+
+def _not_comparable(a: dict, b: dict) -> list[str]:
+    why = []
+    if a.get("harness") != b.get("harness"):
+        why.append(f"harness {(a.get('harness') or {}).get('version')} vs {(b.get('harness') or {}).get('version')}")
+    for key, what in (("config_sha256", "task config"), ("data_sha256", "task data")):
+        if a.get(key) != b.get(key):
+            why.append(f"{what} sha256 {str(a.get(key))[:12]} vs {str(b.get(key))[:12]}")
+    for key, value in sorted((a.get("settings") or {}).items()):
+        other = (b.get("settings") or {}).get(key)
+        if value != other:
+            why.append(f"{key} {'none' if value is None else value} vs {'none' if other is None else other}")
+    return why
+
+
 def weight_difference(a: Path, b: Path) -> tuple[bool, float | None, str | None]:
     """(bitwise equal, largest absolute difference, why not comparable)."""
     if a.read_bytes() == b.read_bytes():
@@ -96,6 +146,7 @@ class Comparison:
     max_loss_diff: float | None = None
     max_loss_diff_step: int | None = None
     evals: dict[str, list] = field(default_factory=dict)
+    harness: dict[str, dict] = field(default_factory=dict)  # run -> `lodger eval` scores (harness_scores)
     weights_equal: bool | None = None
     max_weight_diff: float | None = None
     interruptions: dict[str, list] = field(default_factory=dict)
@@ -129,6 +180,7 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5, against: Path | None =
             c.untrusted += unconfirmed(ledger, against, ea + eb)[1]
         c.evals = {a: [(m["step"], m["eval_loss"]) for m in ledger.metrics(a, "eval")],
                    b: [(m["step"], m["eval_loss"]) for m in ledger.metrics(b, "eval")]}
+        c.harness = {a: harness_scores(ledger, a), b: harness_scores(ledger, b)}
     ja, jb = flatten(tomllib.loads(ra["job_toml"])), flatten(tomllib.loads(rb["job_toml"]))
     c.job_differences = {k: (ja.get(k), jb.get(k)) for k in sorted(set(ja) | set(jb))
                          if ja.get(k) != jb.get(k) and k not in IGNORED_JOB_KEYS}

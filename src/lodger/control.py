@@ -155,8 +155,11 @@ class ReleaseRequested(Exception):
 class Control:
     """The run's side: signal handlers, the micro-step check, holding and releasing."""
 
-    def __init__(self, run_folder: Path | None = None):
+    def __init__(self, run_folder: Path | None = None, since: float | None = None):
         self.folder = run_folder
+        # Requests written before ``since`` are not for this process (an eval of a paused run must
+        # not answer the pause its training got); None: every request counts.
+        self.since = since
         self.stop: str | None = None       # why a stop at the next step boundary was requested
         self.release: dict | None = None   # the request that asks to release the machine now
         self.on_hold: Callable[[dict], None] = lambda request: None
@@ -200,7 +203,7 @@ class Control:
         if not self._dirty:
             return
         self._dirty = False
-        request = effective(read_requests(self.folder))
+        request = effective(self._requests())
         if request["state"] == "release":
             if not release_ok:
                 self._dirty = True
@@ -227,7 +230,7 @@ class Control:
                 self._poll_files()
             if self._dirty or looks % 20 == 0:  # and every few seconds, in case the holder died
                 self._dirty = False
-                current = effective(read_requests(self.folder))
+                current = effective(self._requests())
                 if current["state"] == "release":
                     if not release_ok:
                         self._dirty = True  # answered at the next micro-step boundary
@@ -241,6 +244,12 @@ class Control:
         self.held_seconds += held
         self.announce("running", request)
         self.on_continue(request, held)
+
+    def _requests(self) -> dict[str, dict]:
+        found = read_requests(self.folder)
+        if self.since is None:
+            return found
+        return {k: r for k, r in found.items() if isinstance(r.get("time"), (int, float)) and r["time"] >= self.since}
 
     def _poll_files(self) -> None:
         now = time.monotonic()

@@ -67,6 +67,13 @@ class ExportError(LodgerError):
     exit_code = 2
 
 
+class EvalError(LodgerError):
+    """`lodger eval` cannot score as asked: lm-eval missing, an unknown task, task data not in the
+    local cache (the message names the task and how to make it available)."""
+
+    exit_code = 2
+
+
 class FederatedError(LodgerError):
     """A federated run cannot start or go on as asked (Flower process, round, message); the message
     names what and the fix."""

@@ -1,4 +1,6 @@
-"""Start runs in the background: a detached worker process per run, logging to the run folder."""
+"""Start runs: here, or as data-parallel ranks that torchrun launches around the run (``start``),
+or in the background as a detached worker process per run, logging to the run folder. Each wraps
+run.execute; none is called back from it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,22 @@ import time
 from .control import run_state
 from .errors import LodgerError
 from .home import run_dir
+
+
+def start(run_id: str, prepared, *, resuming: bool, quiet: bool = False, taken=None) -> str:
+    """Train ``run_id`` in this process (run.execute), or, with [training] world_size > 1 and no
+    launched group around this process yet, replace this process with torchrun's rank supervisor,
+    whose ranks run it (distributed.launch; never returns). A resume on another world size than its
+    checkpoint's is refused first, before any process loads the model."""
+    from . import distributed as dist
+    from .run import execute
+
+    world = prepared.job.training.world_size
+    if resuming:
+        dist.refuse_other_world_size(run_id, dist.checkpoint_world_size(run_dir(run_id)), world)
+    if world > 1 and not dist.inside_launch():
+        dist.launch(run_id, world, prepared.job.training.threads, fresh=not resuming, quiet=quiet)
+    return execute(run_id, prepared, resuming=resuming, quiet=quiet, taken=taken)
 
 
 def spawn_worker(run_id: str, *, fresh: bool, extra: list[str] | None = None) -> subprocess.Popen:

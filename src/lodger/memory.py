@@ -72,7 +72,7 @@ class Estimate:
 
 def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None,
              runtime_bytes: int | None = None, device: str = "cpu",
-             flops_per_second: float | None = None, total_steps: int | None = None,
+             flops_per_second: float | None = None, total_steps: int | None = None,  # noqa: F811 (a rate, the keyword callers use)
              pinned_allocator: bool | None = None, mean_width: float | None = None,
              examples: int | None = None) -> Estimate:
     """Peak memory of ``job`` on ``device`` ("cpu": resident set; "cuda": GPU memory).
@@ -165,7 +165,7 @@ def _not_alive_together(transient: float, gradients: float, checkpoint: float, k
 
 
 
-def estimate_time(job: "JobConfig", model_config: dict, flops_per_second: float, *,
+def estimate_time(job: "JobConfig", model_config: dict, flops_per_second: float, *,  # noqa: F811 (a rate)
                   seq_len: int | None = None, total_steps: int | None = None) -> tuple[float, float, float | None]:
     """(flops per step, seconds per optimizer step, seconds for the whole job or None).
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import durable
-from .checkpoint import hash_file
+from .hashing import hash_file
 from .errors import ModelSourceError
 from .home import cache_dir
 

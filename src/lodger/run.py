@@ -27,6 +27,7 @@ from .distributed import Ranks
 from .errors import DiskFull, LimitReached, PreflightError, RunStateError
 from .home import refuse_links_out, run_dir
 from .ledger import Ledger
+from .ledger.values import NewRun
 from .recovery import complete_ledger
 from .report import plural
 from .restarts import mark_starting
@@ -82,6 +83,20 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
                     train_indices, eval_indices, steps, device, planner)
 
 
+def prepare_job(path: Path, *, threads: int | None = None, world_size: int | None = None) -> Prepared:
+    """A job file as the one value every later stage takes as it is: read and validated (user
+    defaults, datasets), the thread count settled (every core when left out; recorded), then
+    ``prepare``d (data, model, tokens, the step plan)."""
+    job = load_job(path)
+    if threads is not None:
+        job.training.threads = threads
+    if world_size is not None:
+        job.training.world_size = world_size
+    if job.training.threads is None:
+        job.training.threads = len(os.sched_getaffinity(0))
+    return prepare(job)
+
+
 def preflight(prepared: Prepared, force: bool = False) -> dict:
     """Estimate peak memory; refuse (before anything is written) a job that will not fit."""
     from .memory import estimate, memory_available, reference_examples, runtime_bytes, suggestions
@@ -127,24 +142,24 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     """Validate a job file and create its run (folder and ledger row) atomically.
 
     ``run_id`` is given only by a remote worker: its run keeps the id of the local run it serves."""
-    job = load_job(job_path)
-    if threads is not None:
-        job.training.threads = threads
-    if job.training.threads is None:
-        job.training.threads = len(os.sched_getaffinity(0))
-    prepared = prepare(job)
+    prepared = prepare_job(job_path, threads=threads)
+    job = prepared.job
     memory = preflight(prepared, force)
     name = name or job.name or Path(job_path).stem
     run_id = run_id or new_run_id(name)
     durable.write_folder(run_dir(run_id), {JOB_FILE: to_toml(job.resolved_dict()).encode()})
     mark_starting(run_dir(run_id))  # the agent leaves a "created" run alone while its creator lives
     with Ledger() as ledger:
-        ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
-                          job_hash=job_hash(job), job_toml=to_toml(job.resolved_dict()),
-                          total_steps=prepared.total_steps, pid=None, reproduces=reproduces, managed=managed,
-                          estimate=memory)
+        ledger.create_run(new_run_record(run_id, job, name, prepared.total_steps, reproduces=reproduces,
+                                         managed=managed, estimate=memory))
     durable.fault_point("after_create_run")
     return run_id, prepared
+
+
+def new_run_record(run_id: str, job: JobConfig, name: str | None, total_steps: int, **extra) -> NewRun:
+    """The ledger's record of a new run of ``job`` (``extra``: reproduces, managed, estimate)."""
+    return NewRun(run_id=run_id, name=name, model=job.model.source, method=job.method.kind, job_hash=job_hash(job),
+                  job_toml=to_toml(job.resolved_dict()), total_steps=total_steps, **extra)
 
 
 def new_run_id(name: str) -> str:
@@ -168,17 +183,17 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
             taken: tuple[Control, RunLock] | None = None) -> str:
     """Train a run in this process until it finishes or is interrupted; return the final status.
 
-    ``taken``: what ``take_run`` returned, when this process took the run early (one process only)."""
+    With [training] world_size > 1 this process is one rank of a launched group (launch.start runs
+    torchrun around the run; Ray Train's workers are ranks too). ``taken``: what ``take_run``
+    returned, when this process took the run early (one process only)."""
     from . import distributed as dist
 
-    folder = run_dir(run_id)
     world = prepared.job.training.world_size
-    if resuming:  # refused before anything starts, not after N processes loaded the model
-        dist.refuse_other_world_size(run_id, dist.checkpoint_world_size(folder), world)
     ranks = Ranks()
     if world > 1:
         if not dist.inside_launch():
-            dist.launch(run_id, world, prepared.job.training.threads, fresh=not resuming, quiet=quiet)
+            raise RunStateError(f"run {run_id} trains with {world} processes: start it with lodger.launch.start, "
+                                "which launches the ranks around it")
         ranks = dist.init(world, prepared.device)
         if ranks.rank > 0:
             return _execute_quiet_rank(run_id, prepared, resuming=resuming, ranks=ranks)
@@ -407,9 +422,4 @@ def resume_prepared(run_id: str, threads: int | None = None, world_size: int | N
     if not path.exists():
         raise RunStateError(f"run {run_id}: its job file {path} is missing; the ledger holds a copy "
                             f"(`job_toml` in `lodger show {run_id} --json`): write it back to that path")
-    job = load_job(path)
-    if threads is not None:
-        job.training.threads = threads
-    if world_size is not None:
-        job.training.world_size = world_size
-    return prepare(job)
+    return prepare_job(path, threads=threads, world_size=world_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 TAIL_BYTES = 64 * 1024  # the end of metrics.jsonl holds the newest records; never read it all
@@ -89,3 +90,33 @@ def table(rows: list[list[str]], header: list[str], width: int | None, keep: int
         parts = [str(cell).ljust(widths[i]) for i, cell in enumerate(cells[:shown])]
         lines.append((" " * gap).join(parts).rstrip())
     return lines
+
+
+def rate_conditions(rate: dict) -> str:
+    """How a matmul rate was measured (train/throughput.measure_once's record), in words:
+    "quiet: other processes used 2% of the CPUs meanwhile; load average 0.41"."""
+    others = rate.get("others")
+    busy = "quiet" if rate.get("quiet") else "busy"
+    if others is not None:
+        share = f"other processes used {others:.0%} of the CPUs meanwhile"
+    elif "others" in rate:
+        share = "what else ran is not known here"
+    else:
+        share = "measured before lodger recorded the conditions"
+    tries = f"; best of {rate['tries']} tries" if rate.get("tries", 1) > 1 else ""
+    load = f"; load average {rate['load']:.2f}" if rate.get("load") is not None else ""
+    return f"{busy}: {share}{load}{tries}"
+
+
+def rate_text(rate: dict) -> str:
+    """`lodger show`'s line on the rate MFU divides by: "61.2 GFLOP/s (fp32, 2 threads, cpu) from a
+    0.2 s matmul benchmark at 2026-12-02 15:22:03 (cached), quiet: ..."."""
+    when = rate.get("measured_at")
+    at = f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(when))}" if when else ""
+    how = "cached" if rate.get("cached") else "measured by this run"
+    if rate.get("reason"):
+        how = f"measured again: {rate['reason']}"
+    seconds = f"{rate['seconds']:.1f} s " if rate.get("seconds") is not None else ""
+    return (f"{rate['flops_per_second'] / 1e9:.1f} GFLOP/s ({rate.get('precision', '?')}, "
+            f"{rate.get('threads', '?')} threads, {rate.get('device', '?')}) from a {seconds}matmul benchmark"
+            f"{at} ({how}), {rate_conditions(rate)}")

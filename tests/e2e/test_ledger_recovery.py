@@ -2,7 +2,8 @@
 
 Each fault point of recovery.LEDGER_FAULT_POINTS kills the real `lodger` process (SIGKILL through
 $LODGER_FAULT) just after the run's row is created, between a checkpoint's commit and its ledger
-write, after that write, or inside the resume that completes the ledger. After `lodger resume` the ledger must hold every step's metrics
+write, after that write, or inside the resume that completes the ledger. After `lodger resume` the ledger must hold
+every step's metrics
 once, every checkpoint's event, and `lodger compare RUN BASELINE` must say bitwise equal.
 
 Cost: one module home holds the uninterrupted baseline and one run killed just after committing

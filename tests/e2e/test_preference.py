@@ -1,5 +1,6 @@
-"""Preference training keeps the promises: a DPO run that dies mid-checkpoint and is SIGKILLed at a
-random step resumes to the bits of the uninterrupted run (every logged number, the adapter), and
+"""Preference training keeps the promises: a DPO run that dies mid-checkpoint, is released and held
+by its owner and SIGKILLed at a random step resumes to the bits of the uninterrupted run (every
+logged number, the adapter), and
 its result goes where an SFT run's goes (compare, export read by peft). KTO and ORPO runs train
 through the same loop. One baseline DPO run per module; one scenario per heavy test.
 """
@@ -10,13 +11,14 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from fixtures_lib import write_preference_jsonl
 from helpers import (checkpoint_dirs, describe, final_adapter_bytes, killed_by_sigkill, lodger_env, read_metrics,
-                     run_dir_of, run_lodger, show, start_lodger, wait_for_step, write_job)
+                     run_dir_of, run_lodger, show, start_lodger, wait_for_step, wait_until, write_job)
 
 STEPS = 16
 JOB = dict(steps=STEPS, batch_size=4, grad_accum=2, every_steps=4, keep_last=2, threads=1, max_length=64,
@@ -28,6 +30,35 @@ def records(folder: Path) -> list[dict]:
     """Every metric line without its clock fields: what must be bitwise equal."""
     clock = {"time", "seconds", "tokens_per_s", "mfu", "segment", "held_seconds"}
     return [{k: v for k, v in r.items() if k not in clock} for r in read_metrics(folder)]
+
+
+def asked_while_frozen(proc, args: list, env: dict):
+    """Run `lodger ARGS` (a pause) against the training process ``proc`` while it is stopped: the
+    request is in place before the run takes another step; then let the run go on and answer."""
+    import subprocess
+
+    from helpers import LODGER
+
+    request = Path(env["LODGER_HOME"]) / "runs" / args[1] / "control" / "user.json"
+    wanted = "hold" if "--hold" in args else "release"
+    asked_at = time.time()
+
+    def written():
+        try:
+            body = json.loads(request.read_text())
+        except (OSError, ValueError):
+            return None
+        return body.get("state") == wanted and body.get("time", 0) >= asked_at or None
+
+    os.kill(proc.proc.pid, signal.SIGSTOP)
+    try:
+        asking = subprocess.Popen([LODGER, *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        wait_until(written, 60, asking, what=f"the {wanted} request in {request}")
+    finally:
+        os.kill(proc.proc.pid, signal.SIGCONT)
+    out, err = asking.communicate(timeout=120)
+    return subprocess.CompletedProcess(asking.args, asking.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +81,8 @@ def dpo_baseline(tmp_path_factory, dpo_job) -> dict:
             "adapter": final_adapter_bytes(folder)}
 
 
-def test_dpo_killed_mid_checkpoint_and_at_a_random_step_resumes_bitwise(dpo_job, dpo_baseline, tmp_path):
+def test_dpo_killed_mid_checkpoint_released_held_and_killed_at_a_random_step_resumes_bitwise(dpo_job, dpo_baseline,
+                                                                                              tmp_path):
     base = dpo_baseline["records"]
     train = [r for r in base if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
@@ -69,13 +101,29 @@ def test_dpo_killed_mid_checkpoint_and_at_a_random_step_resumes_bitwise(dpo_job,
     folder = run_dir_of(run_id, env)
     assert checkpoint_dirs(folder) == ["step-00000004"]
     assert (folder / "checkpoints" / "step-00000004" / "reference.safetensors").is_file()
-    # 2: resume, and SIGKILL at a random step after it
-    seed = int(os.environ.get("LODGER_TEST_SEED") or random.randrange(2**32))
-    target = random.Random(seed).randrange(6, 13)
-    print(f"kill seed {seed}: SIGKILL at step >= {target}")
+    # 2: resume; the owner takes the machine back (release: checkpoint and exit) after step 5. The
+    # run is frozen (SIGSTOP) while `lodger pause` starts, so a 30 ms step cannot outrun it.
     proc = start_lodger(["resume", run_id], env, log_dir=tmp_path)
     try:
-        wait_for_step(folder, target, proc, segment=1)
+        wait_for_step(folder, 5, proc, segment=1)
+        released = asked_while_frozen(proc, ["pause", run_id], env)
+        assert released.returncode == 0 and "checkpoint committed" in released.stdout, describe(released)
+        assert proc.wait() == 0, describe(proc)
+    finally:
+        proc.close()
+    paused_at = show(run_id, env)["run"]["step"]
+    assert paused_at < STEPS, paused_at
+    # 3: resume; hold (no CPU, memory kept) and continue the same process; SIGKILL at a random step
+    seed = int(os.environ.get("LODGER_TEST_SEED") or random.randrange(2**32))
+    target = random.Random(seed).randrange(paused_at + 1, STEPS - 1)
+    print(f"kill seed {seed}: paused at {paused_at}, SIGKILL at step >= {target}")
+    proc = start_lodger(["resume", run_id], env, log_dir=tmp_path)
+    try:
+        wait_for_step(folder, paused_at + 1, proc, segment=2)
+        held = asked_while_frozen(proc, ["pause", run_id, "--hold"], env)
+        assert held.returncode == 0, describe(held)
+        assert "continues" in run_lodger(["resume", run_id], env).stdout
+        wait_for_step(folder, target, proc, segment=2)
         proc.kill(signal.SIGKILL)
         assert killed_by_sigkill(proc.wait()), describe(proc)
     finally:

@@ -66,6 +66,10 @@ def test_run_at_a_terminal_shows_a_live_eta_and_eval_lines(short_job, lodger_hom
     assert re.search(r"elapsed \d+:\d\d", out), out
     assert "target tok/s" in out, f"the live display is missing:\n{out}"
     assert "eval at step 6: 16 examples" in out and re.search(r"eval at step 6: eval_loss \d", out), out
+    # the eval's own live line: batches done and its ETA, drawn after every batch
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)
+    for done in range(1, 5):
+        assert re.search(rf"eval at step 6\s+\S*\s+{done}/4\s+batches \| elapsed \d+:\d\d \| eta \d+:\d\d", plain), plain
     # What is wasted: every train row and step line says target tokens/s, the padding share of the
     # positions computed, and the model FLOPs utilisation against the cached matmul rate.
     run_id = re.search(r"run (progress-\S+)", out).group(1)
@@ -80,7 +84,12 @@ def test_run_at_a_terminal_shows_a_live_eta_and_eval_lines(short_job, lodger_hom
     assert any(r["padded"] for r in rows), "the fixture's chats differ in length: some batch is padded"
     assert list((lodger_home / "cache" / "matmul").glob("*.json")), "the matmul rate is cached"
     log = (folder / "log.txt").read_text()
-    assert re.search(r"tok/s [\d,]+ \| pad \d+% \| mfu \d+\.\d% \|", log), log[-1500:]
+    assert re.search(r"target tok/s [\d,]+ \| pad \d+% \| mfu \d+\.\d% \|", log), log[-1500:]
+    # what MFU divides by, and how it was measured, in the run's record
+    shown = run_lodger(["show", run_id], lodger_env(lodger_home))
+    assert re.search(r"mfu peak  [\d.]+ GFLOP/s \(fp32, 1 threads, cpu\) from a [\d.]+ s matmul benchmark at ",
+                     shown.stdout), describe(shown)
+    assert re.search(r"(quiet|busy): other processes used \d+% of the CPUs meanwhile; load average", shown.stdout)
 
 
 def test_quiet_prints_only_the_run_id_and_resume_quiet_prints_nothing(short_job, lodger_home):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (TOTAL_STEPS, checkpoint_dirs, describe, event_kinds, final_adapter_bytes, lodger_env,
+from helpers import (TOTAL_STEPS, describe, event_kinds, final_adapter_bytes, lodger_env,
                      read_metrics, run_dir_of, run_lodger, show, train_records, wait_for_step, wait_until,
                      write_job)
 
@@ -152,7 +152,7 @@ def _stop_processes(group: int, temp: str) -> None:
 
 def _plan(job_path: Path, head: dict):
     """What the gate hands over once it approved a job: the validated job, the target, the files."""
-    from lodger.checkpoint import hash_file
+    from lodger.hashing import hash_file
     from lodger.jobfile import load_job
     from lodger.gate import LeavingFile, Plan
     from lodger.targets import Target

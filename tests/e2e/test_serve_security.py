@@ -28,6 +28,7 @@ from helpers import LODGER, STANDARD_JOB, describe, lodger_env, wait_until
 from serve_helpers import QUESTION, Server, assert_error, start_server
 from lodger.checkpoint import CheckpointStore
 from lodger.ledger import Ledger
+from lodger.ledger.values import NewRun
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +125,8 @@ def fake_trainer(home: Path, run_id: str, grace: float, tmp: Path) -> tuple[subp
     folder = home / "runs" / run_id
     folder.mkdir(parents=True)
     with Ledger(home / "ledger.db") as ledger:
-        ledger.create_run(run_id, name=run_id, model="tiny", method="lora", job_hash="0" * 64,
-                          job_toml=f"[policy]\ninference_grace_seconds = {grace}\n", total_steps=10, pid=None)
+        ledger.create_run(NewRun(run_id, name=run_id, model="tiny", method="lora", job_hash="0" * 64,
+                          job_toml=f"[policy]\ninference_grace_seconds = {grace}\n", total_steps=10, pid=None))
         ledger.set_status(run_id, "running")
     log = tmp / f"{run_id}.log"
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(folder), str(log)], stdin=subprocess.PIPE)

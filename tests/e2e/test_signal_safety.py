@@ -28,6 +28,7 @@ from lodger.tomlfile import to_toml
 from lodger.control import read_requests
 from lodger.home import run_dir
 from lodger.ledger import Ledger
+from lodger.ledger.values import NewRun
 from lodger.runlock import RunLock, holder, is_locked, lock_pid, process_start
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -115,8 +116,8 @@ def _run_with_lock(text: str, victim: subprocess.Popen, *, held: bool, policy: d
     process takes the lock (so it is locked, but not by the process the file names)."""
     job = {"data": {"train": "train.jsonl"}, "training": {"steps": 10}, "policy": policy or {}}
     with Ledger() as ledger:
-        ledger.create_run(run, name="signals", model="m", method="lora", job_hash="0", job_toml=to_toml(job),
-                          total_steps=10, pid=None)
+        ledger.create_run(NewRun(run, name="signals", model="m", method="lora", job_hash="0", job_toml=to_toml(job),
+                          total_steps=10, pid=None))
         ledger.set_status(run, "running", "started", step=0)
     folder = run_dir(run)
     folder.mkdir(parents=True)

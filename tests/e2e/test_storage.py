@@ -26,6 +26,7 @@ from lodger.errors import CheckpointError
 from lodger.remote import storage
 from lodger.remote.eventlog import ChainError, EventLog, record_hash
 from lodger.remote.storage import Storage, StorageError
+from lodger.ledger.values import NewRun
 
 ANCHOR = "ab" * 32  # stands for the local ledger's head hash recorded at submission
 
@@ -256,8 +257,8 @@ def _remote_run(bucket: str, home: Path, monkeypatch, job_text: bytes = b"name =
     run_store.write_bytes("job.toml", job_text, exclusive=True)
     with Ledger() as ledger:
         head = ledger.head()
-        ledger.create_run(run_id, name="wired", model="m", method="lora", job_hash="h", job_toml="",
-                          total_steps=10, pid=None, managed=True)
+        ledger.create_run(NewRun(run_id, name="wired", model="m", method="lora", job_hash="h", job_toml="",
+                          total_steps=10, pid=None, managed=True))
         info = {"kind": "ray", "address": "http://127.0.0.1:1", "storage": f"{bucket}/store", "dir": run_store.uri,
                 "python": sys.executable, "cost_per_gpu_hour": 0.0, "anchor": head["hash"],
                 "job_sha256": hashlib.sha256(job_text).hexdigest()}
@@ -375,7 +376,7 @@ def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s
     import tempfile
 
     from helpers import (describe, event_kinds, final_adapter_bytes, lodger_env, run_dir_of, run_lodger, show,
-                         train_records, wait_for_step, wait_until)
+                         train_records, wait_for_step)
     from test_remote_ray import RAY_ENV, _remote_events, _submit_through_gate, _wait_synced
 
     from lodger.runlock import lock_pid

@@ -22,6 +22,7 @@ from lodger.control import clear_request, effective, read_requests, write_reques
 from lodger.home import run_dir
 from lodger.ledger import Ledger
 from lodger.runlock import RunLock
+from lodger.ledger.values import NewRun
 
 QUIET = {"foreign_cpu": 0.0, "foreign_memory": 0.0, "foreign_gpu_memory": None, "on_battery": False,
          "time": "12:00"}
@@ -176,8 +177,8 @@ class FakeSampler:
 def _live_run(ledger: Ledger, run_id: str, rule: dict) -> RunLock:
     """A run row plus a lock held by this process, so the agent sees a live run (whose pid is ours)."""
     job = {"data": {"train": "train.jsonl"}, "training": {"steps": 10}, "policy": rule}
-    ledger.create_run(run_id, name="unit", model="m", method="lora", job_hash="0", job_toml=to_toml(job),
-                      total_steps=10, pid=None)
+    ledger.create_run(NewRun(run_id, name="unit", model="m", method="lora", job_hash="0", job_toml=to_toml(job),
+                      total_steps=10, pid=None))
     folder = run_dir(run_id)
     folder.mkdir(parents=True)
     return RunLock(folder)

@@ -15,6 +15,7 @@ from lodger.agent import Agent, StarterLock
 from lodger.home import ledger_path
 from lodger.ledger import Ledger
 from lodger.ledger.migrations import MIGRATIONS
+from lodger.ledger.values import NewRun
 
 
 def raw() -> sqlite3.Connection:
@@ -29,8 +30,8 @@ def problems() -> list[str]:
 
 
 def a_run(ledger: Ledger, run_id: str = "run-a") -> None:
-    ledger.create_run(run_id, name="a", model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
-                      total_steps=10, pid=None)
+    ledger.create_run(NewRun(run_id, name="a", model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
+                      total_steps=10, pid=None))
 
 
 def dead_pid() -> int:

@@ -15,6 +15,7 @@ from lodger.ckpt_interval import (CEILING_SECONDS, FLOOR_FACTOR, PRIOR_COST_SECO
 from lodger.home import run_dir
 from lodger.ledger import Ledger
 from lodger.runlock import RunLock
+from lodger.ledger.values import NewRun
 
 
 def ev(run: str | None, kind: str, at: float, **data) -> dict:
@@ -106,8 +107,8 @@ def test_the_cost_is_the_median_of_the_recent_checkpoints() -> None:
 def test_auto_with_a_ledger_holding_a_known_history_picks_the_formulas_interval(lodger_home) -> None:
     with Ledger() as ledger:
         for run, ends in (("r1", ["died", "interrupted"]), ("r2", ["failed"]), ("r3", ["died", "died", "finished"])):
-            ledger.create_run(run, name=run, model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
-                              total_steps=10, pid=None)
+            ledger.create_run(NewRun(run, name=run, model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
+                              total_steps=10, pid=None))
             ledger.set_status(run, "running", "started", step=0, segment=0)
             for segment, end in enumerate(ends, start=1):
                 ledger.event(run, "checkpoint", step=segment, path=f"step-{segment:08d}", seconds=0.5 * segment)
@@ -134,8 +135,8 @@ def test_auto_with_a_ledger_holding_a_known_history_picks_the_formulas_interval(
 
 
 def _run(ledger: Ledger, run: str, status: str | None = None) -> None:
-    ledger.create_run(run, name=run, model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
-                      total_steps=10, pid=None)
+    ledger.create_run(NewRun(run, name=run, model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
+                      total_steps=10, pid=None))
     if status:
         ledger.set_status(run, status, "started", step=0, segment=0)
 

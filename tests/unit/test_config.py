@@ -170,7 +170,8 @@ def test_giving_both_steps_and_epochs_names_both_keys_and_the_fix(job_dir: Path)
 
 
 def test_giving_neither_steps_nor_epochs_says_to_add_one(job_dir: Path) -> None:
-    with pytest.raises(JobFileError, match=r"1 problem\(s\).*\n  - \[training\] steps: missing; add `steps = N` or `epochs = N`$"):
+    missing = r"1 problem\(s\).*\n  - \[training\] steps: missing; add `steps = N` or `epochs = N`$"
+    with pytest.raises(JobFileError, match=missing):
         load_job(write_job(job_dir, '[data]\ntrain = "data/train.jsonl"\n[training]\nseed = 1\n'))
 
 
@@ -337,7 +338,7 @@ def test_every_seconds_is_auto_by_default_a_number_or_zero_and_nothing_else(job_
         with pytest.raises(JobFileError) as info:
             load_job(write_job(job_dir, base + f"[checkpoints]\nevery_seconds = {bad}\n"))
         found = problems(info.value)
-        assert len(found) == 1 and found[0].startswith(f"[checkpoints] every_seconds = "), found
+        assert len(found) == 1 and found[0].startswith("[checkpoints] every_seconds = "), found
         assert '"auto"' in found[0] and "a number of seconds" in found[0] and "0 for no time-based" in found[0]
 
 

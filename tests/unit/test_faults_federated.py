@@ -156,7 +156,7 @@ from lodger.federated.aggregate import tensors_sha256
 from lodger.federated.messages import reply_content
 from lodger.federated.rounds import RoundStore
 from lodger.federated.sampling import Roster
-from lodger.federated.server import commit_round, take_replies
+from lodger.federated.server import Answered, Rules, commit_round, take_replies
 from lodger.ledger import Ledger
 
 root = Path(sys.argv[1])
@@ -168,7 +168,7 @@ for round_no in (1, 2, 3):
     tensors = {"w.lora_A.weight": rng.standard_normal((4, 8)).astype(np.float32)}
     content = reply_content("alice", tensors, tokens=10, steps=1, loss=1.0, started_from=tensors_sha256(current.tensors))
     good, declined = take_replies([(1, content)], current, Roster())
-    current = commit_round("job", round_no, good, declined, current, store, b"{}", ledger)
+    current = commit_round(Answered("job", round_no, good, declined), Rules(b"{}"), current, store, ledger)
     print("committed", round_no, flush=True)
 """
 

@@ -196,9 +196,8 @@ def test_the_bound_is_two_levels_per_client_over_the_weights_and_exact_weights_a
 
 def test_flowers_clipping_runs_inside_the_secure_round_and_central_noise_goes_on_the_unmasked_mean(
         flower_task, lodger_home):
-    from lodger.federated.messages import Reply
     from lodger.federated.rounds import RoundStore
-    from lodger.federated.server import commit_round
+    from lodger.federated.server import Answered, Rules, commit_round
     from lodger.ledger import Ledger
 
     current, raw = _global(), _raw(clip_norm=0.05, noise_multiplier=1.0)
@@ -213,8 +212,9 @@ def test_flowers_clipping_runs_inside_the_secure_round_and_central_noise_goes_on
 
     store = RoundStore("sa")
     with Ledger() as ledger:
-        committed = commit_round("sa", 1, good, declined, Committed(0, current), store, b"{}", ledger,
-                                 privacy=raw["federated"]["privacy"], seed=3, secure=secure)
+        committed = commit_round(Answered("sa", 1, good, declined, secure),
+                                 Rules(b"{}", privacy=raw["federated"]["privacy"], seed=3), Committed(0, current),
+                                 store, ledger)
         [event] = ledger.events_of_kinds(("federated_round",))
     assert committed.state["secure_aggregation"]["protocol"] == "flwr SecAggPlusWorkflow + secaggplus_mod"
     assert committed.state["privacy"]["central_noise_stdv"] > 0  # Flower's central noise, on the unmasked mean

@@ -48,7 +48,7 @@ def test_chat_template_prefix_property(tiny_model_dir: Path, chat_data: dict) ->
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
-    records = [json.loads(l) for l in chat_data["train"].read_text().splitlines()]
+    records = [json.loads(line) for line in chat_data["train"].read_text().splitlines()]
     assert len(records) == 64
     assert len(chat_data["eval"].read_text().splitlines()) == 16
     assert any(r["messages"][0]["role"] == "system" for r in records)

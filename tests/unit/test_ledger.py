@@ -21,6 +21,7 @@ import lodger.ledger as ledger_module
 from lodger.home import ledger_path
 from lodger.ledger import GENESIS, Ledger, event_hash
 from lodger.ledger.migrations import MIGRATIONS
+from lodger.ledger.values import NewRun
 
 LODGER = str(Path(sys.executable).with_name("lodger"))
 
@@ -36,8 +37,8 @@ def raw(path: Path | None = None) -> sqlite3.Connection:
 def filled_ledger(n: int = 6) -> list[int]:
     """A ledger with one run and ``n`` events in all (created + n-1 checkpoints); returns their seqs."""
     with Ledger() as ledger:
-        ledger.create_run("run-a", name="a", model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
-                          total_steps=10, pid=None)
+        ledger.create_run(NewRun("run-a", name="a", model="m", method="lora", job_hash="h" * 64, job_toml="x = 1\n",
+                          total_steps=10, pid=None))
         for step in range(1, n):
             ledger.event("run-a", "checkpoint", step=step, path=f"step-{step:08d}")
         return [e["seq"] for e in ledger.events()]
@@ -297,9 +298,10 @@ WRITER = textwrap.dedent("""
             sys.exit("no go signal")
         time.sleep(0.001)
     from lodger.ledger import Ledger
+    from lodger.ledger.values import NewRun
     with Ledger() as ledger:
-        ledger.create_run(name, name=name, model="m", method="lora", job_hash="h", job_toml="", total_steps=n,
-                          pid=os.getpid())
+        ledger.create_run(NewRun(name, name=name, model="m", method="lora", job_hash="h", job_toml="", total_steps=n,
+                          pid=os.getpid()))
         for i in range(n):
             ledger.event(name, "checkpoint", step=i)
     print("done", name)
@@ -326,7 +328,7 @@ def test_concurrent_writers_and_a_reader_lose_no_event(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (out, err) in zip(procs, outputs):
+    for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err
     assert all(len(runs) <= writers for runs in listings)
 

@@ -55,6 +55,24 @@ def test_estimate_is_within_15_percent_of_measured_peak_rss_on_tiny_models(wide_
     assert list((lodger_home / "cache" / "runtime").glob("*.json")), "the runtime size is cached"
 
 
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_a_preference_estimate_is_within_10_percent_of_its_measured_peak(objective: str, wide_model_dir: Path,
+                                                                        lodger_home: Path) -> None:
+    """Pairs are two sequences per example (DPO), KTO one plus a KL pass without gradients; the
+    measurement trains the objective's own collated batches (measure.py)."""
+    config = json.loads((wide_model_dir / "config.json").read_text())
+    job = make_job(wide_model_dir, batch=4, seq=128)
+    job.method.objective = objective
+    runtime = memory.runtime_bytes(threads=2, use_current=False)
+    peak = memory.measure(job, wide_model_dir, steps=2).peak_bytes
+    est = memory.estimate(job, config, runtime_bytes=runtime, examples=1000)
+    sft = memory.estimate(make_job(wide_model_dir, batch=4, seq=128), config, runtime_bytes=runtime)
+    assert est.items["reference"] == 8000
+    if objective == "dpo":  # a pair's two sequences: twice the activations of the SFT batch
+        assert est.items["activations"] == 2 * sft.items["activations"]
+    assert 0.9 <= est.total_bytes / peak <= 1.1, f"{objective}: estimate / measured {est.total_bytes / peak:.3f}"
+
+
 def test_parameter_counts_match_the_loaded_model(tiny_model_dir: Path) -> None:
     from lodger.model import attach_method, load_base_model
 

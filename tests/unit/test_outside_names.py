@@ -23,6 +23,7 @@ from lodger.ledger import Ledger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from helpers import describe, lodger_env, run_lodger  # noqa: E402
+from lodger.ledger.values import NewRun
 
 BAD_NAMES = ["../../outside", "../outside", "/tmp/lodger-absolute-outside", "sub/file", "..", ".", "",
              "nul\x00byte", "back\\slash", MANIFEST]
@@ -72,8 +73,8 @@ def _remote_run(tmp_path: Path, run_id: str, *, job_sha256: str | None = "record
         info["job_sha256"] = hashlib.sha256(job).hexdigest()
     run_dir(run_id).mkdir(parents=True)
     with Ledger() as ledger:
-        ledger.create_run(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="",
-                          total_steps=24, pid=None)
+        ledger.create_run(NewRun(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="",
+                          total_steps=24, pid=None))
         ledger.update_run(run_id, target="t", remote_job_id=f"{run_id}-s0", remote=json.dumps(info))
     return storage, folder
 

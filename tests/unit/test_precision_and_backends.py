@@ -20,6 +20,7 @@ from lodger.ledger import Ledger
 from lodger.remote import backend as backends
 from lodger.targets import Target, TargetError, load_targets, targets_path
 from lodger.train.precision import MODES, Precision, check_device, mode
+from lodger.ledger.values import NewRun
 
 
 def test_every_precision_a_job_may_name_has_one_row_with_its_torch_dtype():
@@ -127,8 +128,8 @@ def test_a_run_is_driven_through_the_backend_of_the_kind_it_was_submitted_to(tmp
     FolderBackend().submit(info, run_id, f"{run_id}-s0", None)
     run_dir(run_id).mkdir(parents=True)
     with Ledger() as ledger:
-        ledger.create_run(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="", total_steps=4,
-                          pid=None)
+        ledger.create_run(NewRun(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="", total_steps=4,
+                          pid=None))
         ledger.update_run(run_id, target="t", status="running", remote=json.dumps(info),
                           remote_job_id=f"{run_id}-s0")
         run = ledger.run(run_id)

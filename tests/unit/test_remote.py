@@ -15,6 +15,7 @@ from lodger.train.limits import COST_ENV, REMOTE_ENV, RemoteLimits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from helpers import flip_byte, wait_until  # noqa: E402
+from lodger.ledger.values import NewRun
 
 
 def test_remote_limits_apply_only_when_running_remotely(monkeypatch):
@@ -95,8 +96,8 @@ def test_sync_copies_only_verified_checkpoints_and_ingests_events_once(tmp_path,
 
     run_dir(run_id).mkdir(parents=True)
     with Ledger() as ledger:
-        ledger.create_run(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="",
-                          total_steps=24, pid=None)
+        ledger.create_run(NewRun(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="",
+                          total_steps=24, pid=None))
         ledger.update_run(run_id, target="t", remote_job_id=f"{run_id}-s0",
                           remote=json.dumps({"address": "http://127.0.0.1:1", "dir": str(storage / run_id),
                                              "python": sys.executable, "cost_per_gpu_hour": 0.0}))
@@ -127,8 +128,8 @@ def test_sync_keeps_a_local_cancel_whatever_the_remote_says_later(tmp_path, lodg
 
     run_dir(run_id).mkdir(parents=True)
     with Ledger() as ledger:
-        ledger.create_run(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="",
-                          total_steps=24, pid=None)
+        ledger.create_run(NewRun(run_id, name="r", model="m", method="lora", job_hash="h", job_toml="",
+                          total_steps=24, pid=None))
         ledger.update_run(run_id, target="t", status=status, remote=json.dumps({"dir": str(storage / run_id)}))
         synced = sync(ledger, ledger.run(run_id))
         assert synced["status"] == status and synced["step"] == 3

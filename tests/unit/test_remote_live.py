@@ -16,6 +16,7 @@ from lodger.ledger import Ledger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from helpers import describe, lodger_env, run_lodger  # noqa: E402
+from lodger.ledger.values import NewRun
 
 
 def _remote_run(run_id: str, address: str, storage: Path) -> None:
@@ -24,8 +25,8 @@ def _remote_run(run_id: str, address: str, storage: Path) -> None:
     info = {"kind": "ray", "address": address, "storage": str(storage), "dir": str(storage / run_id),
             "python": sys.executable, "cost_per_gpu_hour": 0.0}
     with Ledger() as ledger:
-        ledger.create_run(run_id, name=run_id, model="m", method="lora", job_hash="h", job_toml="",
-                          total_steps=24, pid=None, managed=True)
+        ledger.create_run(NewRun(run_id, name=run_id, model="m", method="lora", job_hash="h", job_toml="",
+                          total_steps=24, pid=None, managed=True))
         ledger.update_run(run_id, target="lab", remote=json.dumps(info), remote_job_id=f"{run_id}-s0")
         ledger.set_status(run_id, "running", step=5)
 

@@ -140,7 +140,8 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
     from ..durable import atomic_write
     from ..home import home
     from ..ledger import Ledger
-    from ..run import create_run, execute
+    from ..launch import start
+    from ..run import create_run
 
     lock = StarterLock(queue_id)
     with Ledger() as ledger:
@@ -168,7 +169,7 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
     from .crash import log_to_run
 
     log_to_run(run_id)
-    execute(run_id, prepared, resuming=False, quiet=True)
+    start(run_id, prepared, resuming=False, quiet=True)
 
 
 COMMANDS = [agent, queue, start_queued]

@@ -48,10 +48,32 @@ def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
         click.echo("preference metrics (" + ", ".join(names) + "): "
                    + ("differ in " + ", ".join(c.preference_differences) if c.preference_differences
                       else "bitwise equal at every shared step"))
+    _print_harness(c)
     if c.weights_equal is not None:
         click.echo("final trainable weights: " + ("bitwise equal" if c.weights_equal else
                                                    f"largest absolute difference {c.max_weight_diff}"))
     click.echo(f"verdict: {c.verdict}")
+
+
+def _print_harness(c) -> None:
+    """`lodger eval` scores of both runs side by side (metric ± standard error)."""
+    from ..compare import harness_table
+    from ..evalharness import metric_text
+
+    having = [run_id for run_id in (c.a, c.b) if c.harness.get(run_id)]
+    if not having:
+        return
+    if len(having) == 1:
+        missing = c.b if having == [c.a] else c.a
+        click.echo(f"lm-eval scores: only {having[0]} has them; `lodger eval {missing}` scores the other")
+        return
+    columns, rows, notes = harness_table(c)
+    click.echo("lm-eval scores (value ± standard error):")
+    click.echo(f"  {'task':<26} {'metric':<10} " + " ".join(f"{name:>22}" for name in columns))
+    for task, metric, values in rows:
+        click.echo(f"  {task:<26} {metric:<10} " + " ".join(f"{metric_text(v):>22}" for v in values))
+    for note in notes:
+        click.echo(f"  note: {note}")
 
 
 def _compare_federated(a: str, b: str, as_json: bool) -> None:
@@ -133,10 +155,11 @@ def reproduce(run_id: str, quiet: bool) -> None:
     """
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..run import JOB_FILE, create_run, execute
+    from ..launch import start
+    from ..run import JOB_FILE, create_run
     from .. import jobfile
     from ..model import resolve_source
-    from ..checkpoint import hash_file
+    from ..hashing import hash_file
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
@@ -164,7 +187,7 @@ def reproduce(run_id: str, quiet: bool) -> None:
     new_id, prepared = create_run(run_dir(run["id"]) / JOB_FILE, threads, name=f"{run['name']}-repro",
                                   reproduces=run["id"])
     click.echo(f"run {new_id} (reproducing {run['id']})")
-    status = execute(new_id, prepared, resuming=False, quiet=quiet)
+    status = start(new_id, prepared, resuming=False, quiet=quiet)
     if status != "finished":
         click.echo(f"reproduction {status}; continue it with `lodger resume {new_id}`")
         raise SystemExit(1)

@@ -177,7 +177,8 @@ def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None
     from ..distributed import inside_launch
     from ..home import run_dir
     from ..restarts import mark_starting
-    from ..run import execute, resume_prepared, take_run
+    from ..launch import start
+    from ..run import resume_prepared, take_run
     from .crash import log_to_run
 
     log_to_run(run_id)  # nobody watches this process's stderr: a crash must reach the run's log
@@ -186,7 +187,7 @@ def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None
     # several ranks, rank 0 (a grandchild of this process) takes it.
     alone = not inside_launch() and (world_size or _job_world_size(run_id)) == 1
     taken = take_run(run_id) if alone else None
-    execute(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet, taken=taken)
+    start(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet, taken=taken)
 
 
 def _job_world_size(run_id: str) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 OUTTYPES = ("f32", "f16", "q8_0")  # lodger.export.gguf.OUTTYPES, repeated so --help imports no torch
+BASE_MODES = ("auto", "ship", "name")  # lodger.export.base.BASE_MODES, likewise
 
 
 @click.command(name="export")
@@ -17,17 +18,22 @@ OUTTYPES = ("f32", "f16", "q8_0")  # lodger.export.gguf.OUTTYPES, repeated so --
                    "(each then gets its own subfolder of DIR).")
 @click.option("--outtype", type=click.Choice(OUTTYPES), default="f16", show_default=True,
               help="Number format of the GGUF file's matrices (vectors stay f32).")
-def export(run_id: str, dest: Path, formats: tuple[str, ...], outtype: str) -> None:
+@click.option("--base", "base_mode", type=click.Choice(BASE_MODES), default="auto", show_default=True,
+              help="peft: ship the base's weights in the adapter's base/ folder, or name where they are; auto "
+                   "ships a GGUF base (dequantised, its weights exist only in lodger's cache) and names others.")
+def export(run_id: str, dest: Path, formats: tuple[str, ...], outtype: str, base_mode: str) -> None:
     """Put RUN's result in the new folder DIR, loadable without lodger.
 
     \b
-    peft    the adapter, its base named as on the hub, the tokenizer and chat template
+    peft    the adapter, the tokenizer and chat template, and its base: shipped in base/ (a GGUF
+            base, or --base ship) or named (hub id and revision, or the folder)
     merged  the adapter merged into the base: a plain transformers folder
     gguf    the merged model as one GGUF file for llama.cpp / LM Studio, plus an Ollama Modelfile
 
     Every export also holds the resolved job, provenance, metrics, events, a model card (README.md:
-    what the weights were trained against, how to load them) and MANIFEST.json (every file's sha256
-    and the ledger's chain head). DIR must not exist or be empty; it appears only when complete.
+    what the weights were trained against, how to load them, every file's sha256 and the chat
+    template's) and MANIFEST.json (every file's sha256 and the ledger's chain head). DIR must not
+    exist or be empty; it appears only when complete.
 
     A federated job (`federated:JOB_ID`, on the coordinating machine) exports its newest global
     adapter (peft) with the per-round record: rounds.json, a rounds table in the card, and the
@@ -50,7 +56,8 @@ def export(run_id: str, dest: Path, formats: tuple[str, ...], outtype: str) -> N
         return
 
     chosen = parse_formats(formats)
-    manifest = export_run(run_id, dest, chosen or None, outtype, say=lambda line: click.echo(f"  {line}"))
+    manifest = export_run(run_id, dest, chosen or None, outtype, say=lambda line: click.echo(f"  {line}"),
+                          base_mode=base_mode)
     click.echo(f"exported {manifest['run']} ({', '.join(manifest['formats'])}) to {dest}")
 
 

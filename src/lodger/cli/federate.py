@@ -119,7 +119,8 @@ def federate(job: Path, server: str | None, approve: bool, as_json: bool, insecu
     """Join a federated job with this machine's dataset: print what will leave, ask, start a SuperNode.
 
     JOB is the federated job file (the same on every machine); --dataset names this owner's
-    registered dataset (default: the job's `[data] train`), which must allow federated use (`lodger data grant NAME --federate`): the data stays here;
+    registered dataset (default: the job's `[data] train`), which must allow federated use
+    (`lodger data grant NAME --federate`): the data stays here;
     each round the adapter's tensors (all listed, with their bytes), a token count and a few
     metrics leave for the server. The declared limits (rounds, wall hours, compute per client) and
     the update protection are printed; then --approve, or typing yes, starts a Flower SuperNode

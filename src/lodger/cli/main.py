@@ -63,11 +63,11 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import (agent, compare, control, data, demo, estimate, export, federate, remote, remote_runs, runs, serve,
-                   train)
+    from . import (agent, compare, control, data, demo, estimate, evaluate, export, federate, remote, remote_runs,
+                   runs, serve, train)
 
-    for module in (train, estimate, control, agent, runs, compare, export, serve, demo, data, remote, remote_runs,
-                   federate):
+    for module in (train, estimate, control, agent, runs, compare, evaluate, export, serve, demo, data, remote,
+                   remote_runs, federate):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -163,14 +163,7 @@ def show(run_id: str, as_json: bool, against: Path | None) -> None:
         click.echo(f"remote    target {run['target']}  Ray submission {run['remote_job_id']}")
     click.echo(f"folder    {folder}")
     click.echo(f"last good checkpoint  {checkpoints[-1] if checkpoints else '-'}")
-    if now["eval_step"] is not None or info["last_eval"]:
-        step, loss = (now["eval_step"], now["eval_loss"]) if now["eval_step"] is not None else \
-            (info["last_eval"]["step"], info["last_eval"]["eval_loss"])
-        click.echo(f"last eval step {step}: eval_loss {loss_text(loss)}")
-    for label, record, prefix in (("preference", info["last_train"], ""), ("  at eval", info["last_eval"], "eval_")):
-        text = preference_text(record, prefix)
-        if text:
-            click.echo(f"{label}  step {record['step']}: {text}")
+    _print_evals(now, info)
     if provenance:
         p = provenance[-1]
         code = p.get("code", {})
@@ -196,6 +189,11 @@ def _print_memory(events: list[dict]) -> None:
         measured = f", measured peak {peak / 2**30:.2f} GiB (ratio {peak / estimate['total_bytes']:.2f})" if peak else ""
         click.echo(f"memory    estimated {estimate['total_bytes'] / 2**30:.2f} GiB on {estimate['device']} "
                    f"(largest: {estimate['largest']}){measured}{' [forced past pre-flight]' if estimate['forced'] else ''}")
+    rate = next((e["data"] for e in reversed(events) if e["kind"] == "matmul_rate"), None)
+    if rate:  # what the step lines' MFU divides by
+        from ..runview import rate_text
+
+        click.echo(f"mfu peak  {rate_text(rate)}")
     interval = next((e["data"] for e in reversed(events) if e["kind"] == "checkpoint_interval"), None)
     if interval:
         from ..ckpt_interval import describe_event
@@ -208,8 +206,26 @@ def _print_events(events: list[dict]) -> None:
     for e in events:
         data = ", ".join(f"{k}={_human(v)}" for k, v in e["data"].items()
                          if k not in ("compute", "memory_estimate", "measured"))
+        if e["kind"] == "harness_eval":  # a whole score sheet: one line of it
+            from .evaluate import summary
+
+            data = summary(e["data"])
         mark = "" if e.get("verified", True) else "UNVERIFIED "
         click.echo(f"  {mark}{_when(e['time'])}  {e['kind']:<18} {data}")
+
+
+def _print_evals(now: dict, info: dict) -> None:
+    """The last eval's loss and, for a preference run, its metrics at the last step and eval."""
+    from ..runview import loss_text
+
+    if now["eval_step"] is not None or info["last_eval"]:
+        step, loss = (now["eval_step"], now["eval_loss"]) if now["eval_step"] is not None else \
+            (info["last_eval"]["step"], info["last_eval"]["eval_loss"])
+        click.echo(f"last eval step {step}: eval_loss {loss_text(loss)}")
+    for label, record, prefix in (("preference", info["last_train"], ""), ("  at eval", info["last_eval"], "eval_")):
+        text = preference_text(record, prefix)
+        if text:
+            click.echo(f"{label}  step {record['step']}: {text}")
 
 
 def preference_text(record: dict | None, prefix: str = "") -> str:

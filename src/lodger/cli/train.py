@@ -82,11 +82,14 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
              lodger run my-job.toml --detach
     """
     from ..jobfile import load_job
-    from ..run import create_run, execute
+    from ..launch import start
+    from ..report import Phase
+    from ..run import create_run
 
     started = time.monotonic()
     announced = announce_first_use(load_job(job), quiet)
-    run_id, prepared = create_run(job, threads, managed=detach, force=force)
+    with Phase("checking the job and its data, tokenising, estimating memory", err=True, quiet=quiet):
+        run_id, prepared = create_run(job, threads, managed=detach, force=force)
     log_to_run(run_id)
     if announced:
         first_use_done(started)
@@ -96,7 +99,16 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     if detach:
         _detach(run_id, fresh=True, world_size=prepared.job.training.world_size, quiet=quiet)
         return
-    execute(run_id, prepared, resuming=False, quiet=quiet)
+    with _starting(prepared, quiet):
+        start(run_id, prepared, resuming=False, quiet=quiet)
+
+
+def _starting(prepared, quiet: bool, what: str = "loading the model and starting the run"):
+    """A phase that lasts until the run's own lines start (report.hand_over); one process only:
+    with several, the run's lines come from another process."""
+    from ..report import Phase
+
+    return Phase(what, quiet=quiet or prepared.job.training.world_size > 1)
 
 
 def announce_first_use(job, quiet: bool) -> bool:
@@ -181,9 +193,9 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             click.echo(f"run {run['id']} {resume_remote(ledger, run)}")
             return
         folder = run_dir(run["id"])
-        if run["status"] == "finished":
+        pid = holder(folder)  # a finished run may be held all the same: `lodger eval` scoring it
+        if run["status"] == "finished" and pid is None:
             raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger run`")
-        pid = holder(folder)
         if pid is None and is_locked(folder):
             raise RunStateError(f"run {run['id']} is not running as far as lodger can verify: its lock is held, "
                                 "but not by the process its lock file names, so nothing was signalled; if an "
@@ -192,7 +204,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             requests = read_requests(folder)
             held = run_state(folder).get("state") == "held"  # e.g. by a server that died: its hold lapsed
             if not held and not any(r.get("state") != "run" for r in requests.values()):
-                raise RunStateError(f"run {run['id']} is training now; nothing to resume")
+                raise RunStateError(f"run {run['id']} is training (or being evaluated) now; nothing to resume")
             clear_request(folder, "agent")
             ask(folder, "user", None, ledger=ledger, event={"kind": "resume_requested", "by": "user"})
             still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]
@@ -212,13 +224,15 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
         _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(),
                 world_size=world_size or job.training.world_size, extra=extra, quiet=quiet)
         return
-    from ..run import execute, take_run
+    from ..launch import start
+    from ..run import take_run
 
     log_to_run(run["id"])
     # Alone, this process takes the run before it loads the model and restores the checkpoint: a
     # pause sent meanwhile is answered as soon as the model is loaded, not refused as "not training".
     taken = take_run(run["id"]) if (world_size or prepared.job.training.world_size) == 1 else None
-    execute(run["id"], prepared, resuming=True, quiet=quiet, taken=taken)
+    with _starting(prepared, quiet, "loading the model"):
+        start(run["id"], prepared, resuming=True, quiet=quiet, taken=taken)
 
 
 def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | None, force: bool):

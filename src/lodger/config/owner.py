@@ -1,4 +1,5 @@
-"""[policy] and [limits] (the owner's rules for a run, with defaults in $LODGER_HOME/config.toml) and the user-only sections of that file."""
+"""[policy] and [limits] (the owner's rules for a run, with defaults in $LODGER_HOME/config.toml) and
+the user-only sections of that file."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """`lodger export`: a run's result where people run models.
 
-Formats: `peft` (the adapter, loadable by a stranger), `merged` (a plain transformers folder),
-`gguf` (one file for llama.cpp / Ollama / LM Studio, plus a Modelfile). Every export carries the
-run's record, a model card and a manifest (files' sha256 + the ledger's chain head). It is written
+Formats: `peft` (the adapter, loadable by a stranger: its base shipped beside it or named where it
+is found offline), `merged` (a plain transformers folder), `gguf` (one file for llama.cpp / Ollama /
+LM Studio, plus a Modelfile). Every export carries the run's record, a model card (every other
+file's sha256, the chat template's) and a manifest (files' sha256 + the ledger's chain head). It is written
 into a hidden temporary folder beside DIR and renamed into place only when complete, so DIR is
 either absent or a whole export.
 """
@@ -14,8 +15,9 @@ import os
 import secrets
 import shutil
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..durable import free_bytes, is_no_space
 from ..faults import fault_point
@@ -72,10 +74,31 @@ def fsync_tree(folder: Path) -> None:
     fsync_dir(folder)
 
 
+@dataclass(frozen=True)
+class Source:
+    """What an export is made of, read once: the run's ledger rows (run, events, provenance, evals,
+    the chain head), its folder, the weights file, the base and the formats asked for (``parts``:
+    format -> folder inside the export, "." when it is the export itself)."""
+
+    run: dict
+    folder: Path
+    events: list
+    provenance: list
+    evals: list
+    head: dict
+    weights: Path
+    base: Any
+    formats: list[str]
+    parts: dict[str, str]
+    outtype: str
+
+
 def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtype: str = "f16",
-               say: Callable[[str], None] = lambda _: None) -> dict:
-    """Export ``run_id`` into the new folder ``dest``; returns the manifest."""
-    from ..compare import final_weights, total_compute
+               say: Callable[[str], None] = lambda _: None, base_mode: str = "auto") -> dict:
+    """Export ``run_id`` into the new folder ``dest``; returns the manifest. ``base_mode`` (peft):
+    "ship" the base's weights in the adapter's ``base/``, "name" where they are, or "auto" (ship a
+    GGUF base, name others)."""
+    from ..compare import final_weights
     from ..home import refuse_links_out, run_dir
     from ..ledger import Ledger
     from .base import describe_base
@@ -96,28 +119,31 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
     if "peft" in formats and run["method"] != "lora":
         raise ExportError(f"--format peft: run {run['id']} trained all weights (method full), not an adapter; "
                           "use --format merged or gguf")
-    base = describe_base(provenance[-1]["model"])
+    base = describe_base(provenance[-1]["model"], base_mode)
     if "gguf" in formats:  # before anything is written
         check_supported(json.loads((base.folder / "config.json").read_text()), outtype)
-    parts = {f: "." if len(formats) == 1 else f for f in formats}
+    src = Source(run=run, folder=folder, events=events, provenance=provenance, evals=evals, head=head,
+                 weights=weights, base=base, formats=formats, parts={f: "." if len(formats) == 1 else f for f in formats},
+                 outtype=outtype)
     _remove_unfinished(dest, say)
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
     free_before = free_bytes(dest.parent)
     try:
         tmp.mkdir(parents=True)
-        gguf_info = _write_formats(run, folder, weights, base, formats, parts, outtype, tmp, say)
-        _write_record(run, folder, tmp, events, provenance, evals, total_compute(events), weights, base, parts,
-                      gguf_info, formats)
+        gguf_info = _write_formats(src, tmp, say)
+        template = chat_template_sha256(base.folder)
+        files = _write_record(src, tmp, gguf_info, template)
         from .manifest import write_manifest
 
-        manifest = write_manifest(tmp, run_id=run["id"], formats=formats, ledger_head=head,
-                                  extra={"outtype": outtype} if "gguf" in formats else {})
+        extra = {"chat_template_sha256": template, **({"outtype": outtype} if "gguf" in formats else {}),
+                 **({"base": "shipped" if base.ship else "named"} if "peft" in formats else {})}
+        manifest = write_manifest(tmp, run_id=run["id"], formats=formats, ledger_head=head, extra=extra, known=files)
         fault_point("export_before_publish")
         publish(tmp, dest)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_no_space(exc):  # the half-written export is gone: say what it needs, not an OSError
-            need = max(_room_needed(folder, weights, base.folder, formats), (free_before or 0) + 1)
+            need = max(_room_needed(src), (free_before or 0) + 1)
             raise DiskFull(dest, f"about {size_text(need)}", free_bytes(dest.parent), "the export",
                            f"`lodger export {run['id']} {dest}` again", folder=dest.parent) from None
         raise
@@ -150,25 +176,30 @@ def _alive(pid: int) -> bool:
     return pid > 0
 
 
-def _room_needed(folder: Path, weights: Path, base_folder: Path, formats: list[str]) -> int:
-    """About the bytes an export takes: the record, the adapter, the base's small files, and for a
-    merged model or a GGUF file the base's weights once each (as large as them at most)."""
+def _room_needed(src: Source) -> int:
+    """About the bytes an export takes: the record, the adapter, the base's small files, and the
+    base's weights once for each format that carries them (merged, GGUF, a peft adapter that ships
+    its base), as large as them at most."""
     def size(path: Path) -> int:
         return path.stat().st_size if path.is_file() else 0
 
-    base = [p for p in base_folder.iterdir() if p.is_file()]
+    base = [p for p in src.base.folder.iterdir() if p.is_file()]
     heavy = sum(size(p) for p in base if p.suffix in (".safetensors", ".bin", ".gguf"))
-    total = sum(size(folder / n) for n in RECORD_FILES) + sum(size(p) for p in base) - heavy + 64 * 1024
-    return total + size(weights) * ("peft" in formats) + heavy * (("merged" in formats) + ("gguf" in formats))
+    total = sum(size(src.folder / n) for n in RECORD_FILES) + sum(size(p) for p in base) - heavy + 64 * 1024
+    carriers = ("merged" in src.formats) + ("gguf" in src.formats) + ("peft" in src.formats and bool(src.base.ship))
+    return total + size(src.weights) * ("peft" in src.formats) + heavy * carriers
 
 
-def _write_formats(run, folder, weights, base, formats, parts, outtype, tmp: Path, say) -> dict | None:
+def _write_formats(src: Source, tmp: Path, say) -> dict | None:
     from .merged import merged_model, write_merged
     from .peft import write_peft
 
+    run, folder, weights, base, formats, parts, outtype = (src.run, src.folder, src.weights, src.base, src.formats,
+                                                           src.parts, src.outtype)
+
     if "peft" in formats:
         write_peft(weights, base, tmp / parts["peft"])
-        say("peft: adapter, tokenizer")
+        say("peft: adapter, tokenizer" + (", base/ (the base's weights, shipped)" if base.ship else ""))
     if "merged" not in formats and "gguf" not in formats:
         return None
     model = merged_model(base.folder, _method(folder), weights)
@@ -177,8 +208,9 @@ def _write_formats(run, folder, weights, base, formats, parts, outtype, tmp: Pat
         say("merged: transformers folder")
     if "gguf" not in formats:
         return None
-    from .card import modelfile
+    from ..model import load_tokenizer
     from .gguf import write_gguf
+    from .modelfile import modelfile
 
     out = tmp / parts["gguf"]
     out.mkdir(parents=True, exist_ok=True)
@@ -186,13 +218,21 @@ def _write_formats(run, folder, weights, base, formats, parts, outtype, tmp: Pat
     info = write_gguf(model, out / name, outtype=outtype, name=run["name"], tokenizer_folder=base.folder,
                       source_gguf=base.source.path if base.gguf else None, base_name=base.name_or_path)
     info["file"] = name
-    template = _chat_template(base.folder)
-    (out / "Modelfile").write_text(modelfile(name, run["name"], template))
+    text, info["modelfile"] = modelfile(name, run["name"], load_tokenizer(base.folder))
+    (out / "Modelfile").write_text(text)
     say(f"gguf: {name} ({outtype}), Modelfile")
     return info
 
 
-def _chat_template(folder: Path) -> str | None:
+def chat_template_sha256(folder: Path) -> str | None:
+    """sha256 of the chat template's UTF-8 text, as the tokenizer files hold it (None: there is none)."""
+    import hashlib
+
+    template = chat_template(folder)
+    return hashlib.sha256(template.encode("utf-8")).hexdigest() if template else None
+
+
+def chat_template(folder: Path) -> str | None:
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text()
     try:
@@ -201,13 +241,19 @@ def _chat_template(folder: Path) -> str | None:
         return None
 
 
-def _write_record(run, folder, tmp, events, provenance, evals, compute, weights, base, parts, gguf_info, formats):
+def _write_record(src: Source, tmp: Path, gguf_info: dict | None, template_sha256: str | None) -> dict[str, dict]:
+    """The run's record and the card, which lists every other file's hash; returns those hashes."""
+    from ..compare import total_compute
     from .card import model_card
+    from .manifest import file_hashes
 
     for name in RECORD_FILES:
-        if (folder / name).is_file():
-            shutil.copyfile(folder / name, tmp / name)
-    (tmp / "events.json").write_text(json.dumps(events, indent=1, default=str))
-    card = model_card(run=run, first=provenance[0], evals=evals, compute=compute, checkpoint=weights.parent.name,
-                      base=base, parts=parts, gguf_info=gguf_info, formats_done=formats)
+        if (src.folder / name).is_file():
+            shutil.copyfile(src.folder / name, tmp / name)
+    (tmp / "events.json").write_text(json.dumps(src.events, indent=1, default=str))
+    files = file_hashes(tmp)
+    card = model_card(run=src.run, first=src.provenance[0], evals=src.evals, compute=total_compute(src.events),
+                      checkpoint=src.weights.parent.name, base=src.base, parts=src.parts, gguf_info=gguf_info,
+                      formats_done=src.formats, files=files, chat_template_sha256=template_sha256)
     (tmp / "README.md").write_text(card)
+    return files

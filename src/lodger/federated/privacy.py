@@ -30,7 +30,6 @@ instead of the empty "start from the job's seed" that a job without protection s
 
 from __future__ import annotations
 
-import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -39,6 +38,7 @@ import numpy as np
 
 from .. import durable
 from ..errors import FederatedError
+from .node import seed_numpy  # noqa: F401 (also what tests and callers name here)
 
 KEY_CLIPPING_NORM = "clipping_norm"
 """Flower's key for the clipping norm in a round's ConfigRecord (flwr.supercore.differential_privacy)."""
@@ -58,12 +58,6 @@ def kept_secret(path: Path) -> bytes:
     durable.atomic_write(path, secrets.token_bytes(32))
     os.chmod(path, 0o600)
     return path.read_bytes()
-
-
-def seed_numpy(parts: tuple, secret: bytes) -> None:
-    """Seed numpy's global generator (what Flower's noise draws from) from ``parts`` and ``secret``."""
-    digest = hashlib.sha256("\0".join(map(str, parts)).encode() + b"\0" + secret).digest()
-    np.random.seed(np.frombuffer(digest, dtype=np.uint32))
 
 
 def mechanism(privacy: dict, max_weight: float | None = None) -> dict:

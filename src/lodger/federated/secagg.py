@@ -126,7 +126,7 @@ def secure_mod(msg, ctxt, call_next):
     from flwr.client.mod import secaggplus_mod
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
-    from .client import SEALED, SECURED, client_job, record_round
+    from .node import SEALED, SECURED, client_job, record_round
 
     found = client_job(ctxt)
     if found is None:
@@ -159,9 +159,9 @@ def train_stage(msg, ctxt, call_next, raw: dict):
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.compat.common import recorddict_compat as compat
 
-    from .client import SECURED
+    from .node import SECURED
     from .messages import from_record, to_record
-    from .privacy import seed_numpy
+    from .node import seed_numpy
 
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = dict(fitins.config)

@@ -65,7 +65,7 @@ class QuickGrid:
         self.grid, self.timeout = grid, timeout
 
     def send_and_receive(self, messages, *, timeout: float | None = None) -> list:
-        from .server import exchange
+        from .grid import exchange
 
         return exchange(self.grid, list(messages), self.timeout if timeout is None else timeout)
 
@@ -84,7 +84,7 @@ def secure_round(grid, job, job_id: str, round_no: int, current, roster):
     from flwr.server.workflow import SecAggPlusWorkflow
 
     from .messages import round_content
-    from .server import choose_nodes, wait_for_nodes
+    from .grid import choose_nodes, wait_for_nodes
 
     fed, sa = job.federated, settings(job)
     nodes = wait_for_nodes(grid, fed.min_clients, fed.round_timeout_seconds)

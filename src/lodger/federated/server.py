@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import JobConfig, describe, read_toml
@@ -24,6 +25,7 @@ from ..errors import FederatedError
 from .aggregate import Update, check_same_layout, fedavg, tensors_bytes, tensors_sha256
 from .privacy import mechanism
 from .rounds import Committed, RoundStore
+from .grid import choose_nodes, exchange, wait_for_nodes  # noqa: F401 (secagg_round's before)
 from .sampling import Roster
 
 MAX_SHORT_ROUNDS = 3
@@ -61,77 +63,6 @@ def adapter_config(job: JobConfig) -> bytes:
     return json.dumps(config, indent=2, sort_keys=True).encode()
 
 
-def wait_for_nodes(grid, minimum: int, timeout: float) -> list[int]:
-    """Flower's minimum-clients rule: the connected nodes once there are ``minimum`` (bounded wait)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= minimum:
-            return nodes
-        if time.monotonic() > deadline:
-            raise FederatedError(f"only {len(nodes)} of the {minimum} clients the job needs connected within "
-                                 f"{timeout:.0f} s; start more SuperNodes or lower [federated] min_clients")
-        time.sleep(1.0)  # polling Flower for an observed state, bounded by the deadline
-
-
-POLL_SECONDS = 0.25
-"""How often the server asks the SuperLink for replies. Flower's `Grid.send_and_receive` sleeps 3 s
-between pulls (flwr/superlink/grid/http_grid.py), on average 1.5 s lost per round; `exchange` is the
-same push-then-pull over Flower's public Grid API, polling faster."""
-
-
-def exchange(grid, messages: list, timeout: float, poll: float = POLL_SECONDS) -> list:
-    """Flower's send_and_receive (push the messages, pull replies until all are in or ``timeout``),
-    with a shorter pull interval."""
-    if not messages:
-        return []
-    waiting = set(grid.push_messages(messages))
-    deadline, replies = time.monotonic() + timeout, []
-    while waiting:
-        got = list(grid.pull_messages(waiting))
-        replies += got
-        waiting -= {m.metadata.reply_to_message_id for m in got}
-        if not waiting or time.monotonic() >= deadline:
-            break
-        time.sleep(poll)  # polling Flower for replies, bounded by the round's timeout
-    return replies
-
-
-IDENTIFY_SECONDS = 120.0
-"""How long the server waits for unknown nodes to say which client they are (sampling only)."""
-
-
-def choose_nodes(grid, job: JobConfig, roster: Roster, round_no: int, nodes: list[int]) -> list[int]:
-    """The round's nodes: all connected ones, or, when the job samples fewer, the nodes of the
-    clients that sampling.py's pure function of (seed, round, sorted client ids) picks."""
-    fed = job.federated
-    if fed.clients_per_round is None or fed.clients_per_round >= len(nodes):
-        return nodes
-    identify(grid, roster, roster.unknown(nodes), min(fed.round_timeout_seconds, IDENTIFY_SECONDS))
-    return roster.choose(nodes, fed.clients_per_round, job.training.seed, round_no)
-
-
-def identify(grid, roster: Roster, nodes: list[int], timeout: float) -> None:
-    """Ask ``nodes`` (not heard from yet) their client id with a `query` message; a node that does
-    not answer in time stays unknown and is not sampled this round."""
-    if not nodes:
-        return
-    from flwr.app import Message
-
-    from .messages import identity_content, read_identity
-
-    messages = [Message(identity_content(), dst_node_id=node, message_type="query") for node in nodes]
-    sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
-    for reply in exchange(grid, messages, timeout):
-        node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-        if reply.has_error():
-            continue
-        try:
-            roster.learn(node, read_identity(reply.content, node))
-        except FederatedError:
-            continue  # a garbled answer: the node stays unknown, so it is not sampled
-
-
 def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committed, roster: Roster | None = None,
               seen: set[str] = frozenset()):
     """Send the round to the sampled nodes; return (good replies as Updates, declines by node).
@@ -145,7 +76,6 @@ def ask_round(grid, job: JobConfig, job_id: str, round_no: int, current: Committ
     roster = roster if roster is not None else Roster()
     chosen = choose_nodes(grid, job, roster, round_no, nodes)
     content = round_content(round_no, job_id, fed.local_steps, current.tensors, fed.privacy.clip_norm)
-    order_sha = tensors_sha256(current.tensors)
     messages = [Message(content, dst_node_id=node, message_type="train") for node in chosen]
     replies = exchange(grid, messages, fed.round_timeout_seconds)
     # An error the SuperLink answers for a node (e.g. "node unavailable": no heartbeat) comes from
@@ -331,43 +261,70 @@ def one_round(grid, job: JobConfig, job_id: str, current: Committed, store: Roun
     else:
         raise FederatedError(f"round {round_no}: fewer than {fed.min_clients} clients answered in "
                              f"{MAX_SHORT_ROUNDS} attempts; the run stops at round {current.round}")
-    privacy = fed.privacy.model_dump() if fed.privacy.noise_multiplier else None
     config_bytes = config_bytes() if callable(config_bytes) else config_bytes
-    return commit_round(job_id, round_no, good, declined, current, store, config_bytes, ledger, fed.aggregation,
-                        privacy=privacy, seed=job.training.seed, secure=secure)
+    return commit_round(Answered(job_id, round_no, good, declined, secure), Rules.of(job, config_bytes), current,
+                        store, ledger)
 
 
-def commit_round(job_id: str, round_no: int, good: list, declined: dict, current: Committed, store: RoundStore,
-                 config_bytes: bytes, ledger, aggregation: str = "fedavg", privacy: dict | None = None,
-                 seed: int = 0, secure: tuple[dict, dict] | None = None) -> Committed:
-    """Aggregate the good replies ((Reply, node) pairs) of round ``round_no``, commit the round, and
-    record it (a `federated_round` event: what `lodger compare` and `lodger export` read back).
-    ``privacy`` with a noise_multiplier: Flower's central Gaussian noise on the aggregate (privacy.py).
-    ``secure``: a SecAgg+ round's (aggregate, record) from secagg_round.py: Flower's unmasked mean
-    replaces the FedAvg of replies the server never saw; the record goes in `secure_aggregation`."""
+@dataclass(frozen=True)
+class Answered:
+    """A round as it came back: the job and round, the good replies ((Reply, node) pairs), who
+    declined and why, and for a SecAgg+ round Flower's (unmasked mean, record) from secagg_round.py."""
+
+    job_id: str
+    round_no: int
+    good: list
+    declined: dict
+    secure: tuple[dict, dict] | None = None
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How a job's rounds are combined and committed: the adapter config every round carries, the
+    aggregation, and (with a noise_multiplier) the privacy settings of Flower's central noise."""
+
+    config_bytes: bytes
+    aggregation: str = "fedavg"
+    privacy: dict | None = None
+    seed: int = 0
+
+    @classmethod
+    def of(cls, job: JobConfig, config_bytes: bytes) -> "Rules":
+        fed = job.federated
+        return cls(config_bytes, fed.aggregation, fed.privacy.model_dump() if fed.privacy.noise_multiplier else None,
+                   job.training.seed)
+
+
+def commit_round(answered: Answered, rules: Rules, current: Committed, store: RoundStore, ledger) -> Committed:
+    """Aggregate a round's good replies, commit the round, and record it (a `federated_round` event:
+    what `lodger compare` and `lodger export` read back). With ``rules.privacy``: Flower's central
+    Gaussian noise on the aggregate (privacy.py). A SecAgg+ round: Flower's unmasked mean replaces
+    the FedAvg of replies the server never saw; its record goes in `secure_aggregation`."""
+    good, round_no, secure = answered.good, answered.round_no, answered.secure
     updates = [Update(r.client_id, r.tokens, r.tensors) for r, _ in good]
     tensors = secure[0] if secure else fedavg(updates, current.tensors or None)
     noise = {}
-    if privacy:
+    if rules.privacy:
         from .privacy import central_noise, kept_secret
 
-        tensors, noise = central_noise(tensors, [u.tokens for u in updates], privacy, seed, round_no,
+        tensors, noise = central_noise(tensors, [u.tokens for u in updates], rules.privacy, rules.seed, round_no,
                                        kept_secret(store.folder / "noise-secret"))
     participants = [{"client_id": r.client_id, "node_id": str(node), "target_tokens": r.tokens, "steps": r.steps,
                      "train_loss": r.loss, "sha256": r.sha256, "bytes": r.bytes}
                     for r, node in sorted(good, key=lambda g: g[0].client_id)]
-    state = {"round": round_no, "job_id": job_id, "aggregation": aggregation, "participants": participants,
-             "declined": declined, "started_from": tensors_sha256(current.tensors),
-             "sha256": tensors_sha256(tensors), "bytes": tensors_bytes(tensors),
+    state = {"round": round_no, "job_id": answered.job_id, "aggregation": rules.aggregation,
+             "participants": participants, "declined": answered.declined,
+             "started_from": tensors_sha256(current.tensors), "sha256": tensors_sha256(tensors),
+             "bytes": tensors_bytes(tensors),
              "total_tokens": int(current.state.get("total_tokens", 0)) + sum(u.tokens for u in updates),
              "total_steps": int(current.state.get("total_steps", 0)) + sum(r.steps for r, _ in good)}
     if noise:
         state["privacy"] = noise
     if secure:
         state["secure_aggregation"] = secure[1]
-    store.commit(round_no, tensors, config_bytes, state)
+    store.commit(round_no, tensors, rules.config_bytes, state)
     ledger.event(None, "federated_round", **state)
-    return Committed(round_no, tensors, config_bytes, state)
+    return Committed(round_no, tensors, rules.config_bytes, state)
 
 
 def _make_app():

@@ -23,6 +23,7 @@ from ..home import ledger_path
 from . import records
 from .migrations import MIGRATIONS
 from .records import RecordProblem, metrics_digest, sha256_text
+from .values import NewRun
 
 GENESIS = "0" * 64
 EVENT_KINDS = ("created", "started", "checkpoint", "interrupted", "resumed", "drift", "damaged_checkpoint",
@@ -126,7 +127,7 @@ class Ledger:
         return _Transaction(self.db, self.path)
 
     def events(self, run_id: str | None = None) -> list[dict]:
-        sql, args = "SELECT * FROM events", ()
+        sql, args = "SELECT * FROM events", ()  # type: tuple[str, tuple]
         if run_id is not None:
             sql, args = sql + " WHERE run_id=?", (run_id,)
         rows = self.db.execute(sql + " ORDER BY seq", args).fetchall()
@@ -138,6 +139,11 @@ class Ledger:
         rows = self.db.execute("SELECT * FROM events WHERE run_id=? AND kind=? AND seq>? ORDER BY seq",
                                (run_id, kind, after_seq)).fetchall()
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+    def harness_evals(self, run_id: str) -> list[dict]:
+        """``run_id``'s lm-eval scores, oldest first: one chained `harness_eval` event per model that
+        `lodger eval` scored (the event is the record; no table is derived from it)."""
+        return self.run_events_after(run_id, "harness_eval")
 
     def audit(self) -> tuple[int, list[AuditProblem]]:
         """Walk the chain; return (rows checked, problems). No problems means the chain is intact."""
@@ -166,22 +172,22 @@ class Ledger:
         return len(rows), problems
 
     # -- runs --------------------------------------------------------------------------------
-    def create_run(self, run_id: str, *, name: str | None, model: str, method: str, job_hash: str,
-                   job_toml: str, total_steps: int, pid: int | None, reproduces: str | None = None,
-                   managed: bool = False, estimate: dict | None = None) -> None:
+    def create_run(self, run: NewRun) -> None:
+        """The run's row and its `created` event (ledger/values.py's record, as it is)."""
         now = time.time()
         with self.transaction():
             self.db.execute(
                 "INSERT INTO runs (id, name, created, updated, status, model, method, job_hash, job_toml,"
                 " total_steps, pid, managed) VALUES (?, ?, ?, ?, 'created', ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, name, now, now, model, method, job_hash, job_toml, total_steps, pid, int(managed)))
-            data = {"job_hash": job_hash, "model": model, "method": method, "total_steps": total_steps,
-                    "name": name, "managed": bool(managed), "job_toml_sha256": sha256_text(job_toml)}
-            if reproduces:
-                data["reproduces"] = reproduces
-            if estimate:
-                data["memory_estimate"] = estimate
-            self._append_event(run_id, "created", data)
+                (run.run_id, run.name, now, now, run.model, run.method, run.job_hash, run.job_toml, run.total_steps,
+                 run.pid, int(run.managed)))
+            data = {"job_hash": run.job_hash, "model": run.model, "method": run.method, "total_steps": run.total_steps,
+                    "name": run.name, "managed": bool(run.managed), "job_toml_sha256": sha256_text(run.job_toml)}
+            if run.reproduces:
+                data["reproduces"] = run.reproduces
+            if run.estimate:
+                data["memory_estimate"] = run.estimate
+            self._append_event(run.run_id, "created", data)
 
     def update_run(self, run_id: str, **fields: Any) -> None:
         """Set run columns; a change to a column the chain covers is a `run_updated` event."""
@@ -279,7 +285,7 @@ class Ledger:
                                      " VALUES (?, ?, ?, ?, ?, 'queued')", (name, job_path, job_toml, priority, time.time()))
             self._append_event(None, "queued", {"queue_id": cursor.lastrowid, "name": name, "priority": priority,
                                                 "job_path": job_path, "job_sha256": sha256_text(job_toml)})
-            return cursor.lastrowid
+            return int(cursor.lastrowid or 0)  # an INSERT's rowid: never None after it
 
     def queue(self, state: str = "queued") -> list[dict]:
         """Entries in ``state``; for `queued`, the one to start next first (highest priority, then oldest)."""

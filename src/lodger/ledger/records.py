@@ -26,7 +26,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 RUN_COLUMNS = ("name", "status", "model", "method", "job_hash", "total_steps", "step", "loss", "managed",
                "target", "remote_job_id", "remote", "remote_log_hash")
@@ -38,6 +38,14 @@ QUEUE_KINDS = ("queued", "queue_starting", "queue_started", "dequeued", "queue_r
 QUEUE_STATES = {"queue_starting": "starting", "queue_started": "started", "dequeued": "started",
                 "queue_requeued": "queued", "unqueued": "cancelled", "queue_failed": "failed",
                 "queue_refused": "refused"}
+
+
+@overload
+def sha256_text(text: None) -> None: ...
+
+
+@overload
+def sha256_text(text: str | bytes) -> str: ...
 
 
 def sha256_text(text: str | bytes | None) -> str | None:
@@ -80,7 +88,7 @@ def run_changes(kind: str, data: dict) -> dict[str, Any]:
     return changes
 
 
-def dataset_row(kind: str, data: dict, at: float) -> dict | None:
+def dataset_row(kind: str, data: dict, at: float) -> dict:
     """The datasets row an event writes (whole row for added/updated, permissions for grant/revoke)."""
     perms = data.get("after", data) if kind in ("dataset_granted", "dataset_revoked") else data
     row = {"name": data["name"], "may_train": int(bool(perms["may_train"])), "may_leave": int(bool(perms["may_leave"])),
@@ -162,7 +170,7 @@ class Records:
     created_seq: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, dict[str, tuple[str, int]]] = field(default_factory=dict)  # run -> key -> (hash, seq)
     provenance: dict[str, dict[int, tuple[str, int]]] = field(default_factory=dict)
-    segment_step: dict[tuple[str, int], int] = field(default_factory=dict)
+    segment_step: dict[tuple[str, int], int | None] = field(default_factory=dict)
     datasets: dict[str, dict] = field(default_factory=dict)
     queue: dict[int, dict] = field(default_factory=dict)
     targets: dict[str, dict] = field(default_factory=dict)
@@ -257,9 +265,9 @@ class Records:
         for run_id, keys in self.metrics.items():
             for key, (_, seq) in keys.items():
                 if (run_id, key) not in seen:
-                    kind, step = key.split(":")
+                    kind, at_step = key.split(":")
                     problems.append(RecordProblem("metrics", f"run {run_id}", f"the {kind} row recorded by the chain "
-                                                  "is gone (deleted)", step=int(step), seq=seq))
+                                                  "is gone (deleted)", step=int(at_step), seq=seq))
         return problems
 
     def compare_provenance(self, rows: list[tuple[str, int, str]]) -> list[RecordProblem]:

@@ -23,55 +23,12 @@ from pathlib import Path
 from .. import durable
 from ..errors import RunStateError
 from .backend import TERMINAL, Backend, RemoteError, get_backend
+from .place import (is_remote, on_shared_folder, remote_home, remote_info, remote_run_dir,  # noqa: F401
+                    run_key, run_storage)
 
 __all__ = ["TERMINAL", "RemoteError", "backend_for", "cancel", "is_remote", "job_logs", "job_status",
-           "pause", "answered_state", "remote_home", "remote_info", "remote_run_dir", "resume", "run_key", "run_storage", "submit"]
-
-
-def run_key(run_id: str) -> str:
-    """The key of the remote run folder under the run's storage (the same on a folder and a bucket)."""
-    return f"home/runs/{run_id}"
-
-
-
-# -- where things are -------------------------------------------------------------------------
-def is_remote(run: dict) -> bool:
-    return bool(run.get("target"))
-
-
-def remote_info(run: dict) -> dict:
-    """What the run was submitted with: kind, address, storage dir, python, price (recorded at submit)."""
-    if not is_remote(run):
-        raise RunStateError(f"run {run['id']} runs on this machine, not on a remote target")
-    return json.loads(run["remote"])
-
-
-def run_storage(run: dict):
-    """The run's own storage, ``<target storage>/<run_id>`` (a folder or a bucket prefix)."""
-    from .storage import Storage
-
-    return Storage.open(remote_info(run)["dir"])
-
-
-def on_shared_folder(run: dict) -> bool:
-    """Whether the run's storage is a folder this machine sees (else object storage)."""
-    from urllib.parse import urlparse
-
-    return urlparse(str(remote_info(run)["dir"])).scheme in ("", "file")
-
-
-def remote_home(run: dict) -> Path:
-    return Path(run_storage(run).root) / "home"
-
-
-def remote_run_dir(run: dict) -> Path:
-    """The remote run folder (checkpoints, metrics.jsonl, log.txt, control/) as seen from here: in
-    the shared folder, or, on object storage, the local mirror that `sync` keeps."""
-    if not on_shared_folder(run):
-        from ..home import run_dir
-
-        return run_dir(run["id"])
-    return remote_home(run) / "runs" / run["id"]
+           "pause", "answered_state", "remote_home", "remote_info", "remote_run_dir", "resume", "run_key", "run_storage",
+           "submit"]
 
 
 def backend_for(run: dict) -> Backend:
@@ -102,8 +59,7 @@ def submit(plan) -> str:
     from ..tomlfile import to_toml
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..config import job_hash
-    from ..run import JOB_FILE, new_run_id
+    from ..run import JOB_FILE, new_run_id, new_run_record
     from .staging import local_python, planned_steps, stage
 
     from .storage import Storage, StorageError
@@ -138,9 +94,7 @@ def submit(plan) -> str:
     leaving = [{"role": f.role, "path": str(f.path), "size": f.size, "sha256": f.sha256} for f in plan.files]
     with Ledger() as ledger:
         with ledger.transaction():
-            ledger.create_run(run_id, name=name, model=job.model.source, method=job.method.kind,
-                              job_hash=job_hash(job), job_toml=to_toml(job.resolved_dict()),
-                              total_steps=planned_steps(job), pid=None, managed=True)
+            ledger.create_run(new_run_record(run_id, job, name, planned_steps(job), managed=True))
             ledger.update_run(run_id, target=plan.target_name, remote=json.dumps(info), remote_job_id=submission_id)
         try:
             backend.submit(info, run_id, submission_id, remote_job)

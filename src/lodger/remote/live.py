@@ -42,7 +42,8 @@ def refresh(ledger, runs: list[dict], budget: float = BUDGET_S) -> Live:
     """Sync every remote run among ``runs`` from storage and ask its cluster about the active ones.
 
     Local runs pass through untouched; nothing is asked when no remote run is active."""
-    from . import backend_for, remote_info
+    from . import backend_for
+    from .place import remote_info
     from .sync import sync
 
     live = Live(runs=[])

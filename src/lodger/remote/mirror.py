@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import durable
 from ..errors import CheckpointError
-from . import run_key
+from .place import run_key
 from .storage import MANIFEST, Storage, StorageError, build_manifest, fetch, list_checkpoints, verify
 
 FILES = ("metrics.jsonl", "log.txt", "provenance.json", "control/state.json")  # state: what the run says

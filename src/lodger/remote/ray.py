@@ -103,7 +103,7 @@ class RayBackend(Backend):
                               f"{exc}") from None
 
     def status(self, run: dict, timeout: float = 10.0) -> tuple[str | None, str | None]:
-        from . import remote_info
+        from .place import remote_info
 
         if not run.get("remote_job_id"):
             return None, "never submitted"
@@ -116,7 +116,7 @@ class RayBackend(Backend):
         return status, job.get("message")
 
     def logs(self, run: dict) -> str:
-        from . import remote_info
+        from .place import remote_info
 
         client = _client(remote_info(run)["address"])
         try:
@@ -125,7 +125,7 @@ class RayBackend(Backend):
             raise RemoteError(f"Ray has no logs for submission {run['remote_job_id']}: {exc}") from None
 
     def cancel(self, run: dict) -> bool:
-        from . import remote_info
+        from .place import remote_info
 
         client = _client(remote_info(run)["address"])
         try:

@@ -46,7 +46,7 @@ def planned_steps(job) -> int:
 def stage(plan, storage, run_id: str, head: dict | None = None):
     """Copy what leaves into ``<storage>/<run_id>/`` (a ``Storage``) and write the job that points
     at the copies, last; return that job and the sha256 of its job.toml."""
-    from ..checkpoint import hash_file
+    from ..hashing import hash_file
     from ..tomlfile import to_toml
 
     job = plan.job.model_copy(deep=True)

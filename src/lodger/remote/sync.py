@@ -22,7 +22,8 @@ from .. import durable
 from ..checkpoint import CheckpointStore
 from ..errors import CheckpointError
 from ..home import run_dir
-from . import RemoteError, remote_info, run_key, run_storage
+from .backend import RemoteError
+from .place import remote_info, run_key, run_storage
 from .eventlog import ChainError, EventLog
 from .storage import MANIFEST, StorageError, StoredCheckpoint, failures, fetch, list_checkpoints, verify
 

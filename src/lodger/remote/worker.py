@@ -135,16 +135,17 @@ def start(run_id: str, job_path: Path) -> str:
     from .. import durable
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..run import create_run, execute, resume_prepared
+    from ..launch import start as train
+    from ..run import create_run, resume_prepared
 
     with Ledger() as ledger:
         exists = ledger.has_run(run_id)
     if exists:
-        return execute(run_id, resume_prepared(run_id), resuming=True, quiet=True)
+        return train(run_id, resume_prepared(run_id), resuming=True, quiet=True)
     if run_dir(run_id).exists():  # a first start that died between its folder and its ledger row
         durable.remove_tree(run_dir(run_id))
     run_id, prepared = create_run(job_path, run_id=run_id, managed=True)
-    return execute(run_id, prepared, resuming=False, quiet=True)
+    return train(run_id, prepared, resuming=False, quiet=True)
 
 
 def resume_fresh(run_id: str, job_path: Path, run_uri: str, segment: int) -> str:
@@ -152,7 +153,8 @@ def resume_fresh(run_id: str, job_path: Path, run_uri: str, segment: int) -> str
     metrics and log) from storage into it, and resume as a new segment after ``segment``."""
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..run import create_run, execute
+    from ..launch import start as train
+    from ..run import create_run
     from .mirror import seed
     from .storage import Storage
 
@@ -160,7 +162,7 @@ def resume_fresh(run_id: str, job_path: Path, run_uri: str, segment: int) -> str
     seed(Storage.open(run_uri), run_id, run_dir(run_id))
     with Ledger() as ledger:
         ledger.update_run(run_id, segment=segment)
-    return execute(run_id, prepared, resuming=True, quiet=True)
+    return train(run_id, prepared, resuming=True, quiet=True)
 
 
 def _train(run_id: str, job_path: str, run_uri: str, segment: str) -> int:

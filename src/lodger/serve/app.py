@@ -10,7 +10,6 @@ request is generated in a thread of its own (generation.py); answers.py shapes t
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 from dataclasses import dataclass, field

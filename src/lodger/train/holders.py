@@ -23,6 +23,21 @@ from typing import Any, Protocol
 from ..errors import RunStateError
 
 
+def declare(*, facts, model, method, optimizer, sync, progress, recorder, guard, precision, train_set,
+            eval_set) -> dict[str, "StateHolder"]:
+    """The map of what a checkpoint holds, by name: the one place it is declared. Save, restore and
+    the pre-restore check all iterate it (train/checkpointer.py)."""
+    state: dict[str, StateHolder] = {
+        "facts": facts, "weights": Weights(model, method), "optimizer": Optimizer(optimizer), "rng": Rng(sync),
+        "progress": progress, "evals": Evals(recorder), "guard": GuardHolder(guard), "scaler": Scaler(precision)}
+    if getattr(method, "objective", "sft") in REFERENCED:
+        state["reference"] = Reference(train_set, eval_set)
+    return state
+
+
+REFERENCED = ("dpo", "kto")  # objectives measured against a reference model (ORPO has none)
+
+
 class StateHolder(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 

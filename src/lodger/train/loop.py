@@ -26,9 +26,11 @@ from ..packing import padded_batch
 from ..rng import capture as capture_rng
 from ..rng import restore as restore_rng
 from .optim import lr_at
+from .record import StepRecord
 from .step import install_yield_points, micro_step, optimizer_step  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
+    from .collaborators import Checkpointing, Controlling, Recording, Synchronising
     from .state import TrainState
 
 
@@ -39,7 +41,8 @@ def eval_due(st: "TrainState", step: int) -> bool:
 
 
 @torch.no_grad()
-def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> tuple[float, dict] | None:
+def evaluate(st: "TrainState", step: int, recorder: "Recording", control: "Controlling",
+             rank: int = 0) -> tuple[float, dict] | None:
     """The objective's loss on the held-out set with its metrics (None when there is none): SFT's
     token-weighted mean loss; a preference objective's loss over every held-out example.
 
@@ -58,7 +61,7 @@ def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> t
     total: list[float] = []
     sums = None
     try:
-        for start in starts:
+        for done, start in enumerate(starts, 1):
             batch = padded_batch(st.eval_set, st.eval_indices[start:start + size], st.pad_id)
             with st.precision.autocast():
                 terms, batch_sums = st.objective.terms(st.model, batch, st.device)
@@ -66,6 +69,7 @@ def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> t
             total = values if not total else [a + b for a, b in zip(total, values)]
             if batch_sums is not None:
                 sums = batch_sums if sums is None else sums + batch_sums
+            recorder.reporter.eval_progress(step, done, len(starts))
     finally:
         control.in_step = False
         st.model.train()
@@ -75,7 +79,8 @@ def evaluate(st: "TrainState", step: int, recorder, control, rank: int = 0) -> t
     return float(loss), ({} if sums is None else st.objective.metrics(sums, weights))
 
 
-def train(st: "TrainState", *, checkpointer, recorder, control, sync) -> str:
+def train(st: "TrainState", *, checkpointer: "Checkpointing", recorder: "Recording", control: "Controlling",
+          sync: "Synchronising") -> str:
     """Run from ``st.progress`` to the last step; return "finished", "interrupted" or "paused"."""
     try:
         return _train_steps(st, checkpointer, recorder, control, sync)
@@ -155,11 +160,12 @@ def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
         p.position = plan.end
         p.tokens += step_tokens
         held = control.held_seconds - held_before  # the owner's time, not the step's: reported apart
-        rec.step(loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
-                 seconds=time.perf_counter() - started - held, held=held, skipped=not finite or overflow,
-                 samples=None if finite else [int(st.train_set.lines[i]) for i in plan.indices()],
-                 computed=computed, padded=padded, attended=attended,
-                 metrics=None if sums is None else st.objective.metrics(sums, weights))
+        rec.step(StepRecord(
+            step=p.step, loss=loss_value, grad_norm=norm_value, lr=lr, tokens=step_tokens,
+            seconds=time.perf_counter() - started - held, held=held, skipped=not finite or overflow,
+            samples=None if finite else tuple(int(st.train_set.lines[i]) for i in plan.indices()),
+            computed=computed, padded=padded, attended=attended,
+            metrics={} if sums is None else st.objective.metrics(sums, weights)))
         if verdict == "spike":
             rec.spike(p.step, loss_value, zscore)
         if verdict == "rollback":

@@ -35,10 +35,12 @@ CHUNK_BYTES = 32 * 2**20
 def head_parts(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """(decoder, head) when ``model``'s logits are exactly ``head(decoder(...).last_hidden_state)``;
     None otherwise. Cached on the model (its structure does not change during a run)."""
-    cached = getattr(model, "_lodger_head_parts", False)
-    if cached is not False:
+    cached: tuple[torch.nn.Module, torch.nn.Linear] | None | bool = getattr(model, "_lodger_head_parts", False)
+    if cached is not False and not isinstance(cached, bool):
         return cached
-    parts = None
+    if cached is None:
+        return None
+    parts: tuple[torch.nn.Module, torch.nn.Linear] | None = None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft
     config = getattr(base, "config", None)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None

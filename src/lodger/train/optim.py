@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -50,7 +52,7 @@ def optimizer_files(optimizer: torch.optim.Optimizer) -> dict:
             "optimizer.json": json.dumps(structure, sort_keys=True).encode()}
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, files: dict[str, bytes]) -> None:
+def load_optimizer(optimizer: torch.optim.Optimizer, files: Mapping[str, Any]) -> None:
     """Restore what ``optimizer_files`` wrote, bit for bit."""
     structure = json.loads(files["optimizer.json"])
     state: dict[int, dict] = {}

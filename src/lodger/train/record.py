@@ -6,9 +6,38 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .. import durable
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step as it happened: built once by the loop, then written as the metric line
+    (metrics.jsonl, the ledger with the next checkpoint) and shown by the reporter, as it is.
+
+    ``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart).
+    ``tokens`` are the step's target tokens (every rank); ``computed`` the positions this rank
+    computed and ``padded`` the padding among them (0: unknown, no padding share or MFU);
+    ``attended`` the keys their attention computed (PackedBatch.attended; 0: the row widths);
+    ``samples`` the data lines of a skipped step; ``metrics`` a preference objective's fields
+    (rewards, margin, accuracy, KL: objective.py)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    seconds: float
+    held: float = 0.0
+    skipped: bool = False
+    samples: tuple[int, ...] | None = None
+    computed: int = 0
+    padded: int = 0
+    attended: int = 0
+    metrics: dict = field(default_factory=dict)
 
 
 class Recorder:
@@ -19,8 +48,8 @@ class Recorder:
         self.pending: list[dict] = []   # metric records not yet in the ledger (they go with checkpoints)
         self.evals: dict[int, float] = {}
         self.eval_seconds = 0.0  # of the latest eval, held time left out
-        self.reporter = None     # set by the run once the log file is open
-        self.work = None         # a throughput.StepWork when the model's FLOPs are countable: MFU
+        self.reporter: Any = None  # set by the run once the log file is open
+        self.work: Any = None      # a throughput.StepWork when the model's FLOPs are countable: MFU
 
     def _metrics_append(self, record: dict) -> None:
         if not self.writes:
@@ -55,35 +84,25 @@ class Recorder:
         durable.fault_point("after_metrics_truncate")
         return reached
 
-    def step(self, *, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float,
-             skipped: bool, samples: list[int] | None, held: float = 0.0, computed: int = 0,
-             padded: int = 0, attended: int = 0, metrics: dict | None = None) -> None:
-        """``seconds`` is the step's own time; ``held`` the time the owner held it (kept apart).
-        ``tokens`` are the step's target tokens (every rank); ``computed`` the positions this rank
-        computed and ``padded`` the padding among them (0: unknown, no padding share or MFU);
-        ``attended`` the keys their attention computed (PackedBatch.attended; 0: the row widths);
-        ``metrics`` a preference objective's fields (rewards, margin, accuracy, KL: objective.py)."""
-        step = self.progress.step
-        self.control.step = step
+    def step(self, s: StepRecord) -> None:
+        """Write a step's metric line and show it (every ``log_every`` steps, the first and the last)."""
+        self.control.step = s.step
         if not self.writes:
             return
-        record = {"kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                  "tokens": tokens, "seconds": seconds, "time": time.time(), "segment": self.progress.segment}
-        record.update(metrics or {})
-        if held:
-            record["held_seconds"] = held
-        waste = self._waste(tokens, seconds, computed, padded, attended)
-        record.update(waste)
-        if skipped:
-            record["skipped"] = True
-            self.ledger.event(self.run_id, "warning", step=step, reason="non-finite loss or gradient norm; "
-                              "optimizer step skipped", sample_lines=samples)
-        self._metrics_append(record)
-        self.control.step = step
-        every = self.log_every
-        self.reporter.step(step, self.total_steps, loss, grad_norm, lr, tokens, seconds, held=held,
-                           show=step % every == 0 or step == self.total_steps or step == 1,
-                           padding=waste.get("padding"), mfu=waste.get("mfu"))
+        line = {"kind": "train", "step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr,
+                "tokens": s.tokens, "seconds": s.seconds, "time": time.time(), "segment": self.progress.segment}
+        line.update(s.metrics)
+        if s.held:
+            line["held_seconds"] = s.held
+        waste = self._waste(s.tokens, s.seconds, s.computed, s.padded, s.attended)
+        line.update(waste)
+        if s.skipped:
+            line["skipped"] = True
+            self.ledger.event(self.run_id, "warning", step=s.step, reason="non-finite loss or gradient norm; "
+                              "optimizer step skipped", sample_lines=None if s.samples is None else list(s.samples))
+        self._metrics_append(line)
+        shown = s.step % self.log_every == 0 or s.step == self.total_steps or s.step == 1
+        self.reporter.step(s, self.total_steps, show=shown, padding=waste.get("padding"), mfu=waste.get("mfu"))
 
     def _waste(self, tokens: int, seconds: float, computed: int, padded: int, attended: int = 0) -> dict:
         """The metric line's throughput fields: target tokens/s, and with the positions computed,
@@ -94,6 +113,9 @@ class Recorder:
             mfu = self.work.mfu(computed, padded, seconds, tokens, attended) if self.work is not None else None
             if mfu is not None:
                 fields["mfu"] = round(mfu, 4)
+            rate = self.work.take_new_rate() if self.work is not None else None
+            if rate is not None:  # what MFU divides by, and how it was measured (`lodger show`)
+                self.ledger.event(self.run_id, "matmul_rate", step=self.progress.step, **rate)
         return fields
 
     def spike(self, step: int, loss: float, zscore: float) -> None:

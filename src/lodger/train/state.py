@@ -10,14 +10,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import durable, faults
 from ..checkpoint import CheckpointStore
 from ..ckpt_interval import interval_for
 from ..config import JobConfig, job_hash
 from ..control import Control
-from ..data import DataFile, Sampler, TokenizedSet
+from ..data import DataFile, TokenizedSet
 from ..distributed import Ranks
 from ..home import run_dir
 from ..ledger import provenance as prov
@@ -32,14 +32,16 @@ from .record import Recorder
 from .sync import DataParallelSync, LocalSync
 from .throughput import StepWork
 
+if TYPE_CHECKING:
+    from .collaborators import Objective, Planning
+
 __all__ = ["Prepared", "Progress", "Session", "TrainState"]
 
-REFERENCED = ("dpo", "kto")  # objectives measured against a reference model (ORPO has none)
 
-
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """Everything validated before a run folder exists."""
+    """Everything validated before a run folder exists (run.prepare_job): one value, taken as it is
+    by every later stage."""
 
     job: JobConfig
     source: ModelSource
@@ -57,10 +59,11 @@ class Prepared:
     planner: Any = None  # packing.Packer or PaddedPlanner: each step's examples from its position
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainState:
     """What the loop steps, and nothing that records, saves or synchronises (those are given to
-    ``train`` apart). ``planner`` turns a sampler position into the step's micro-batches
+    ``train`` apart). Keyword-only: its fields are many and alike. ``planner`` turns a sampler position into the
+    step's micro-batches
     (packing.py); ``progress``, the guard, the optimizer, the weights and the scaler are what a
     checkpoint holds (holders.py)."""
 
@@ -70,7 +73,7 @@ class TrainState:
     optimizer: Any
     precision: Any
     guard: Any
-    planner: Any
+    planner: "Planning"
     progress: Progress
     train_set: TokenizedSet
     eval_set: TokenizedSet | None
@@ -79,7 +82,7 @@ class TrainState:
     device: str
     total_steps: int
     poisoned: Any = None     # test-only fault injection (faults.py)
-    objective: Any = None    # what a step's loss is (objective.py); None: SFT
+    objective: "Objective"   # what a step's loss is (objective.py)
 
 
 def make_sync(control, limits, job, ranks: Ranks):
@@ -122,16 +125,75 @@ def choose_attention(prepared: Prepared, model) -> tuple[Any, str]:
     return planner, mode
 
 
+def settle_process(job, device: str) -> dict:
+    """This process as the job wants it before anything is built: its limits (returned as
+    applied), torch's threads, the determinism settings, every generator seeded."""
+    import torch
+
+    from ..rng import seed_everything
+
+    applied = apply_limits(job.limits)
+    torch.set_num_threads(job.training.threads)
+    configure_determinism(device)
+    seed_everything(job.training.seed)
+    return applied
+
+
+def build_model(prepared: Prepared, rank: int = 0) -> tuple[Any, Any, str]:
+    """The model with its method attached, on its device; the planner and how packed examples are
+    kept apart (``choose_attention``). Rank r > 0 then reseeds its own dropout stream."""
+    from ..model import attach_method, load_base_model
+    from ..rng import seed_everything
+
+    job = prepared.job
+    base = load_base_model(prepared.folder)
+    if job.training.gradient_checkpointing:
+        # non-reentrant checkpointing restores the RNG for the recomputation, so dropout stays exact
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.enable_input_require_grads()
+    model = attach_method(base, job.method, job.training.seed).to(prepared.device)
+    planner, packing_mode = choose_attention(prepared, model)  # draws no global randomness
+    if rank > 0:  # same weights on every rank (seeded above); then its own dropout stream
+        from ..distributed import rank_seed
+
+        seed_everything(rank_seed(job.training.seed, rank))
+    return model, planner, packing_mode
+
+
+def build_sync(control, limits, job, ranks: Ranks, ledger, run_id: str):
+    """The way of training (``make_sync``) with its checkpoint interval: "auto" reads and records in
+    the run's ledger, which only rank 0 has (ckpt_interval.py)."""
+    sync = make_sync(control, limits, job, ranks)
+    sync.interval = interval_for(job.checkpoints.every_seconds, ledger if ranks.rank == 0 else None, run_id)
+    return sync
+
+
+def build_store(folder: Path, job, ranks: Ranks, sync) -> CheckpointStore:
+    """The run's checkpoint store: rank 0 creates the folder first, the others after a barrier."""
+    checkpoints, keep = folder / "checkpoints", job.checkpoints.keep_last
+    store = CheckpointStore(checkpoints, keep, ranks.world_size) if ranks.rank == 0 else None
+    sync.barrier()  # rank 0 has created the checkpoints folder; the others may not race it
+    return store or CheckpointStore(checkpoints, keep, ranks.world_size)
+
+
+def build_recorder(run_id: str, folder: Path, ledger, control, progress: Progress, prepared: Prepared, model, *,
+                   writes: bool) -> Recorder:
+    """What records the run, with the FLOPs of its steps for the step line's MFU."""
+    training = prepared.job.training
+    recorder = Recorder(run_id, folder, ledger, control, progress, prepared.total_steps, training.log_every,
+                        writes=writes)
+    recorder.work = StepWork(model, rows=training.batch_size * training.grad_accum, threads=training.threads or 1,
+                             precision=training.precision, device=prepared.device, world=training.world_size)
+    return recorder
+
+
 class Session:
-    """The live state of one process training one run. Rank 0 is the run (ledger, metrics, log,
-    checkpoints); other ranks have no ledger and write nothing."""
+    """The live state of one process training one run, and its composition root: each component is
+    made by one builder below, in the order they depend on each other. Rank 0 is the run (ledger,
+    metrics, log, checkpoints); other ranks have no ledger and write nothing."""
 
     def __init__(self, run_id: str, prepared: Prepared, ledger, quiet: bool = False,
                  control: Control | None = None, ranks: Ranks = Ranks()):
-        import torch
-
-        from ..model import attach_method, load_base_model
-        from ..rng import seed_everything
         from .guard import Guard
         from .optim import build_optimizer
         from .precision import Precision
@@ -142,21 +204,8 @@ class Session:
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.control = control or Control(self.dir)
         self.device = prepared.device
-        self.applied_limits = apply_limits(job.limits)
-        torch.set_num_threads(job.training.threads)
-        configure_determinism(self.device)
-        seed_everything(job.training.seed)
-        base = load_base_model(prepared.folder)
-        if job.training.gradient_checkpointing:
-            # non-reentrant checkpointing restores the RNG for the recomputation, so dropout stays exact
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            base.enable_input_require_grads()
-        self.model = attach_method(base, job.method, job.training.seed).to(self.device)
-        self.planner, self.packing_mode = choose_attention(prepared, self.model)  # draws no global randomness
-        if self.rank > 0:  # same weights on every rank (seeded above); then its own dropout stream
-            from ..distributed import rank_seed
-
-            seed_everything(rank_seed(job.training.seed, self.rank))
+        self.applied_limits = settle_process(job, self.device)
+        self.model, self.planner, self.packing_mode = build_model(prepared, ranks.rank)
         self.precision = Precision(job.training.precision, self.device)
         self.guard = Guard(job.guard)
         self.poisoned = faults.poisoned_lines()  # test-only fault injection (faults.py)
@@ -164,46 +213,39 @@ class Session:
         self.meter = prov.ComputeMeter()
         self.fingerprint = prov.numerics_fingerprint(self.device)
         self.limits = LimitWatch(job, self.device, self.dir, self.control, self.meter)
-        self.sync = make_sync(self.control, self.limits, job, ranks)
-        # "auto" reads and records in the run's ledger, which only rank 0 has (ckpt_interval.py)
-        self.sync.interval = interval_for(job.checkpoints.every_seconds, ledger if ranks.rank == 0 else None, run_id)
-        checkpoints, keep = self.dir / "checkpoints", job.checkpoints.keep_last
-        store = CheckpointStore(checkpoints, keep, self.world_size) if self.rank == 0 else None
-        self.sync.barrier()  # rank 0 has created the checkpoints folder; the others may not race it
-        self.store = store or CheckpointStore(checkpoints, keep, self.world_size)
+        self.sync = build_sync(self.control, self.limits, job, ranks, ledger, run_id)
+        self.store = build_store(self.dir, job, ranks, self.sync)
         self.train_set, self.eval_set = prepared.train_set, prepared.eval_set
         self.eval_indices = prepared.eval_indices
         self.total_steps = prepared.total_steps
         self.pad_id = prepared.tokenizer.pad_token_id
         self.progress = Progress()
-        self.recorder = Recorder(run_id, self.dir, ledger, self.control, self.progress, self.total_steps,
-                                 job.training.log_every, writes=self.sync.writes)
-        self.recorder.work = StepWork(self.model, rows=job.training.batch_size * job.training.grad_accum,
-                                      threads=job.training.threads, precision=job.training.precision,
-                                      device=self.device, world=job.training.world_size)  # MFU on the step line
+        self.recorder = build_recorder(run_id, self.dir, ledger, self.control, self.progress, prepared, self.model,
+                                       writes=self.sync.writes)
+        self.objective = make_objective(job.method)
         facts = holders.RunFacts(run_id, prepared, self.fingerprint)
-        state = {"facts": facts, "weights": holders.Weights(self.model, job.method),
-                 "optimizer": holders.Optimizer(self.optimizer), "rng": holders.Rng(self.sync),
-                 "progress": self.progress, "evals": holders.Evals(self.recorder),
-                 "guard": holders.GuardHolder(self.guard), "scaler": holders.Scaler(self.precision)}
-        if job.method.objective in REFERENCED:
-            state["reference"] = holders.Reference(self.train_set, self.eval_set)
+        state = holders.declare(facts=facts, model=self.model, method=job.method, optimizer=self.optimizer,
+                                sync=self.sync, progress=self.progress, recorder=self.recorder, guard=self.guard,
+                                precision=self.precision, train_set=self.train_set, eval_set=self.eval_set)
         self.checkpointer = Checkpointer(run_id, self.store, state, facts, self.sync, self.recorder, ledger,
                                          self.meter)
-        self.state = TrainState(job.training, job.checkpoints.every_steps, self.model, self.optimizer,
-                                self.precision, self.guard, self.planner, self.progress, self.train_set,
-                                self.eval_set, self.eval_indices, self.pad_id, self.device, self.total_steps,
-                                self.poisoned, make_objective(job.method))
+        self.state = TrainState(
+            training=job.training, every_steps=job.checkpoints.every_steps, model=self.model,
+            optimizer=self.optimizer, precision=self.precision, guard=self.guard, planner=self.planner,
+            progress=self.progress, train_set=self.train_set, eval_set=self.eval_set,
+            eval_indices=self.eval_indices, pad_id=self.pad_id, device=self.device, total_steps=self.total_steps,
+            poisoned=self.poisoned, objective=self.objective)
 
     def ready_reference(self, say) -> None:
         """DPO/KTO: the reference log-probabilities before step 1, unless a restored checkpoint
         brought them (reference.py). Called once the newest checkpoint, if any, is restored: a
         run starting from step 0 still has the model of step 0, which is the reference."""
-        if self.job.method.objective not in REFERENCED:
+        if self.job.method.objective not in holders.REFERENCED:
             return
         from .reference import ready
 
-        if self.progress.step and self.train_set.reference is None:  # restored without one: never by the contract
+        # restored without one: never, by the contract (the holder's problems() make such a checkpoint damaged)
+        if self.progress.step and getattr(self.train_set, "reference", None) is None:
             from ..errors import RunStateError
 
             raise RunStateError(f"run {self.run_id}: its checkpoint at step {self.progress.step} holds no "
@@ -226,7 +268,8 @@ class Session:
 
     def provenance(self) -> dict:
         p = self.p
-        data = {"train": {"path": str(p.train_file.path), "sha256": p.train_file.sha256, "bytes": p.train_file.size,
+        data: dict[str, Any] = {"train": {"path": str(p.train_file.path), "sha256": p.train_file.sha256,
+                                          "bytes": p.train_file.size,
                           "lines": len(p.train_file.rows)}}
         if p.eval_file is not None:
             data["eval"] = {"path": str(p.eval_file.path), "sha256": p.eval_file.sha256,
@@ -247,11 +290,11 @@ class Session:
                 data[use.role].update(use.provenance())
         model = {"source": p.source.spec, "kind": p.source.kind, "path": str(p.source.path),
                  "sha256": p.source.sha256, "tokenizer_sha256": p.tokenizer_sha, **p.source.provenance()}
-        if getattr(self.job.method, "init_adapter", None) is not None:
+        init_adapter = getattr(self.job.method, "init_adapter", None)
+        if init_adapter is not None:
             from ..model import adapter_hash
 
-            model["init_adapter"] = {"path": str(self.job.method.init_adapter),
-                                     "sha256": adapter_hash(self.job.method.init_adapter)}
+            model["init_adapter"] = {"path": str(init_adapter), "sha256": adapter_hash(init_adapter)}
         return prov.capture(job=self.job.resolved_dict(), job_hash=job_hash(self.job),
                             job_dir=Path(os.getcwd()), model=model, data=data,
                             seeds={"seed": self.job.training.seed}, device=self.device,

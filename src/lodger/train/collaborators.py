@@ -1,0 +1,100 @@
+"""What the loop asks of the collaborators it is given, as Protocols: the members ``train`` and
+``evaluate`` use (loop.py), and nothing else. Any object with these members will do (the
+synchronisers in sync.py, the Checkpointer, the Recorder, lodger's Control, a test's fake);
+mypy checks the loop against them. The state the loop steps is ``state.TrainState``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from ..packing import PackedBatch, StepPlan
+
+
+class Synchronising(Protocol):
+    """How the processes of one run agree at a step (sync.py: one process, or data-parallel ranks)."""
+
+    rank: int
+    world_size: int
+    saves_alone: bool
+
+    def start(self, model: Any) -> bool: ...
+
+    def micro_step(self) -> None: ...
+
+    def finish_step(self, params: list, loss_sum: "torch.Tensor", last_save: float) -> "torch.Tensor": ...
+
+    def releasing(self) -> bool: ...
+
+    def stopping(self) -> bool: ...
+
+    def save_due(self, last_save: float) -> bool: ...
+
+
+class Checkpointing(Protocol):
+    """Commits the holders' state as a checkpoint, and rolls back to the last good one."""
+
+    def save(self, skip_if_exists: bool = False) -> "Path": ...
+
+    def rollback(self, guard: Any) -> None: ...
+
+
+class Reporting(Protocol):
+    """The step line's and the log's side of an eval (report.py)."""
+
+    def eval_started(self, step: int, examples: int, batches: int) -> None: ...
+
+    def eval_progress(self, step: int, done: int, batches: int) -> None: ...
+
+
+class Recording(Protocol):
+    """Metric lines, eval results and events of the run (record.py)."""
+
+    reporter: Reporting
+    eval_seconds: float
+
+    def step(self, **fields: Any) -> None: ...
+
+    def eval(self, step: int, result: tuple[float, dict] | None) -> None: ...
+
+    def has_eval_at(self, step: int) -> bool: ...
+
+    def spike(self, step: int, loss: float, zscore: float) -> None: ...
+
+
+class Controlling(Protocol):
+    """The run's answer to the owner (control.py): whether a release may drop the current step, and
+    how long the owner has held it."""
+
+    in_step: bool
+    held_seconds: float
+
+
+class Planning(Protocol):
+    """Each step's micro-batches from its sampler position (packing.py)."""
+
+    def plan(self, position: int) -> "StepPlan": ...
+
+    def next_start(self, position: int, skip: Iterable[int]) -> int: ...
+
+    def collate(self, dataset: Any, pack: Sequence[Sequence[int]], pad_id: int) -> "PackedBatch": ...
+
+
+class Objective(Protocol):
+    """What a step's loss is (objective.py)."""
+
+    name: str
+
+    def weights(self, dataset: Any, indices: list[int]) -> tuple[int, ...]: ...
+
+    def terms(self, model: Any, batch: Any, device: str) -> tuple["torch.Tensor", "torch.Tensor | None"]: ...
+
+    def combine(self, terms: Any, weights: tuple[int, ...]) -> Any: ...
+
+    def metrics(self, sums: "torch.Tensor", weights: tuple[int, ...]) -> dict[str, float]: ...
