@@ -103,9 +103,10 @@ def file_kind(path: Path) -> str | None:
     return "not a regular file"
 
 
-def open_append(path: Path, binary: bool = False):
-    """Open ``path`` for appending (created owner-only), refusing to follow a symbolic link: a link
-    planted in a run folder (log.txt -> ~/.bashrc) must not make lodger write where it points."""
+def open_append(path: Path):
+    """Open text file ``path`` for appending, line-buffered (created owner-only), refusing to follow a
+    symbolic link: a link planted in a run folder (log.txt -> ~/.bashrc) must not make lodger write
+    where it points."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -115,7 +116,7 @@ def open_append(path: Path, binary: bool = False):
         if is_no_space(exc):
             raise disk_full(Path(path), what="opening it to append") from None
         raise
-    return os.fdopen(fd, "ab" if binary else "a", **({} if binary else {"encoding": "utf-8", "buffering": 1}))
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 
 
 def fsync_dir(path: Path) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from faults_helpers import assert_audit_clean, audit, cont, fill, free, no_traceback, small_disk, wait_stopped
+from faults_helpers import audit, cont, fill, free, no_traceback, small_disk, wait_stopped
 from helpers import (checkpoint_dirs, describe, lodger_env, run_lodger, stale_entries, start_lodger, train_records)
 
 pytestmark = pytest.mark.faults

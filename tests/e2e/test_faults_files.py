@@ -30,7 +30,7 @@ import pytest
 
 from fixtures_lib import write_chat_jsonl, write_text_jsonl
 from faults_helpers import expensive, run_measured
-from helpers import checkpoint_dirs, describe, lodger_env, run_lodger, write_job
+from helpers import checkpoint_dirs, describe, lodger_env, write_job
 
 pytestmark = pytest.mark.faults
 DRIVER = Path(__file__).resolve().parent / "cli_driver.py"

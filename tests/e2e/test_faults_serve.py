@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,8 +157,9 @@ def test_200_requests_at_once_are_each_answered_200_or_429(served):
         async with httpx.AsyncClient(timeout=300, limits=limits, headers=server.auth) as client:
             async def one(n: int):
                 try:
-                    reply = await client.post(server.url + CHAT, json={"model": served.run_id, "max_tokens": 4,
-                                                                        "messages": [{"role": "user", "content": f"hi {n}"}]})
+                    body = {"model": served.run_id, "max_tokens": 4,
+                            "messages": [{"role": "user", "content": f"hi {n}"}]}
+                    reply = await client.post(server.url + CHAT, json=body)
                     return reply.status_code
                 except httpx.HTTPError as exc:
                     return type(exc).__name__

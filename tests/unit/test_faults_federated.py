@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
