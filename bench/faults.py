@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ["tests/e2e/test_faults_disk.py", "tests/e2e/test_faults_files.py", "tests/e2e/test_faults_kill.py",
          "tests/e2e/test_faults_race.py", "tests/e2e/test_faults_serve.py", "tests/e2e/test_faults_forgery.py",
-         "tests/unit/test_faults_enospc.py", "tests/unit/test_faults_federated.py"]
+         "tests/unit/test_faults_enospc.py", "tests/unit/test_faults_links.py", "tests/unit/test_faults_federated.py"]
 PLANNED = ["tests/e2e/test_resume_exact.py", "tests/e2e/test_ledger_recovery.py", "tests/e2e/test_signal_safety.py",
            "tests/e2e/test_chain.py", "tests/unit/test_power_loss.py", "tests/unit/test_faults.py",
            "tests/e2e/test_bad_input_corpus.py::test_each_damaged_checkpoint_is_named_moved_aside_and_the_newest_good_one_used",
