@@ -9,8 +9,12 @@ pre-ordered by lodger's sampler and a sequential sampler; the adapter starts fro
 
 TRL runs with its defaults (``DPOConfig``: the reference is the base model with the adapter
 disabled, computed live each step; padded batches; fused AdamW), given the adapter as a
-``peft_config``. lodger runs as a user's job does (the reference log-probabilities computed once
-before step 1, "auto" packing, a checkpoint every 50 steps). Steps per second: from the end of
+``peft_config``, but for two that change the job: TRL 1.16 turns on bf16 autocast and gradient
+checkpointing by default, even on the CPU; lodger's job is fp32 without recomputation, so TRL
+runs fp32 without it too (the same arithmetic, so the losses can be compared; and the faster TRL
+here). ``--trl-as-shipped`` runs TRL with those two defaults as well. lodger runs as a user's
+job does (the reference log-probabilities computed once before step 1, "auto" packing, a
+checkpoint every 50 steps). Steps per second: from the end of
 step 1 to the end of the last step on both sides (lodger's metrics.jsonl stamps, a callback's
 for TRL), so start-up and lodger's reference pass are left out of that ratio; the process
 wall-time ratio includes everything (imports, model load, TRL's tokenisation, lodger's reference
@@ -69,7 +73,7 @@ nice = 0
     return path
 
 
-def trl_child(steps: int, out: Path) -> None:
+def trl_child(steps: int, out: Path, as_shipped: bool = False) -> None:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -103,7 +107,8 @@ def trl_child(steps: int, out: Path) -> None:
             lr_scheduler_kwargs={"min_lr_rate": common.MIN_LR_RATIO}, warmup_steps=0, weight_decay=0.0,
             max_grad_norm=1.0, save_strategy="no", report_to="none", use_cpu=True, logging_steps=1,
             train_sampling_strategy="sequential", dataloader_num_workers=0, dataloader_pin_memory=False,
-            disable_tqdm=True, seed=common.SEED)
+            disable_tqdm=True, seed=common.SEED, **({} if as_shipped else {"bf16": False,
+                                                                           "gradient_checkpointing": False}))
         peft = LoraConfig(r=common.RANK, lora_alpha=common.ALPHA, lora_dropout=0.0, target_modules=list(common.TARGETS),
                           bias="none", task_type="CAUSAL_LM")
         trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(ordered),
@@ -111,14 +116,20 @@ def trl_child(steps: int, out: Path) -> None:
         trainer.train()
     out.write_text(json.dumps({"ends": ends, "losses": losses, "optim": args.optim,
                                "precompute_ref_log_probs": args.precompute_ref_log_probs,
-                               "padding_free": args.padding_free}))
+                               "padding_free": args.padding_free, "bf16": args.bf16,
+                               "gradient_checkpointing": args.gradient_checkpointing}))
 
 
 def main() -> None:
+    shipped = "--trl-as-shipped" in sys.argv
+    if shipped:
+        sys.argv.remove("--trl-as-shipped")
     args = common.side_by_side_args(__doc__, "--child-trl")
     if args.child:
-        trl_child(args.steps, args.out)
+        trl_child(args.steps, args.out, as_shipped=shipped or bool(os.environ.get("LODGER_BENCH_TRL_AS_SHIPPED")))
         return
+    if shipped:  # the flag reaches TRL's child through its environment
+        os.environ["LODGER_BENCH_TRL_AS_SHIPPED"] = "1"
     if args.steps == 100:  # side_by_side_args' default is the SFT benches'; 40 DPO steps show the rate
         args.steps = 40
     import tempfile as tf
@@ -150,7 +161,8 @@ def main() -> None:
     print(f"dpo: lodger/TRL process wall-time ratio {lw / tw:.2f} (lodger {lw:.1f} s, TRL {tw:.1f} s; everything "
           "included)")
     print(f"dpo: TRL optimizer {trl['optim']}, precompute_ref_log_probs {trl['precompute_ref_log_probs']}, "
-          f"padding_free {trl['padding_free']}; losses max abs diff {common.max_abs_diff(ll, tl):.2e} over "
+          f"padding_free {trl['padding_free']}, bf16 {trl['bf16']}, gradient_checkpointing "
+          f"{trl['gradient_checkpointing']}; losses max abs diff {common.max_abs_diff(ll, tl):.2e} over "
           f"{min(len(ll), len(tl))} steps")
     print(f"# load average at end {os.getloadavg()[0]:.2f} (the machine has {os.cpu_count()} cores)")
 
