@@ -18,7 +18,7 @@ checkpoint every 50 steps). Steps per second: from the end of
 step 1 to the end of the last step on both sides (lodger's metrics.jsonl stamps, a callback's
 for TRL), so start-up and lodger's reference pass are left out of that ratio; the process
 wall-time ratio includes everything (imports, model load, TRL's tokenisation, lodger's reference
-pass and checkpoints).
+pass, which every lodger side computes afresh, as a first run does, and its checkpoints).
 
     python bench/preference_compare.py            # 40 steps, one run each
     python bench/preference_compare.py --quick    # 20 steps
@@ -137,11 +137,19 @@ def main() -> None:
     jobs = Path(tf.mkdtemp(prefix="jobs-", dir=common.bench_home()))
     job = write_job(jobs, args.steps, args.every)
     warm = common.warm_caches(job)
+
+    def forget_reference() -> None:
+        import shutil
+
+        shutil.rmtree(common.bench_home() / "cache" / "reference", ignore_errors=True)
+
+    forget_reference()
     print(f"# DPO, {args.steps} steps, {common.BATCH} pairs x {common.MAX_LENGTH}, {common.THREADS} threads, "
           f"lodger checkpoints every {args.every}, TRL saves nothing; caches ready ({warm['seconds']:.1f} s, "
           f"untimed); load average at start {os.getloadavg()[0]:.2f}", flush=True)
 
     def report(side, result):
+        forget_reference()  # every lodger side pays for its reference pass, as a first run does
         result.extra["sps"] = common.steady_steps_per_s(result.extra["ends"])
         print(f"# {side}: {result.extra['sps']:.3f} steps/s, wall {result.wall:.1f} s, cpu {result.cpu:.1f} s, "
               f"peak rss {common.gib(result.peak_rss)}, load {os.getloadavg()[0]:.2f}", flush=True)
