@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,10 +95,26 @@ def home_of(env: dict[str, str] | None) -> Path:
 
 
 def run_lodger(args: list[str], env: dict[str, str] | None = None, timeout: float = 300,
-               cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `lodger ARGS` to completion and return the completed process (text stdout/stderr)."""
-    return subprocess.run([LODGER, *map(str, args)], env=env or lodger_env(), cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+               cwd: Path | None = None, *, fork: bool = True) -> subprocess.CompletedProcess:
+    """Run `lodger ARGS` to completion and return the completed process (text stdout/stderr);
+    ``fork=False`` execs it even where the fork server could start it."""
+    args = [str(a) for a in args]
+    env = env or lodger_env()
+    if not (fork and forkable(args, env)):
+        return subprocess.run([LODGER, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="lodger-run-") as folder:
+        out, err = Path(folder) / "out", Path(folder) / "err"
+        proc = _fork(args, env, out, err, cwd)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=60)
+            raise
+        return subprocess.CompletedProcess([LODGER, *args], code, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
 
 
 def describe(result: subprocess.CompletedProcess | "Running") -> str:
@@ -150,23 +167,115 @@ def _first_line(path: Path) -> str | None:
     return text.split("\n", 1)[0] if "\n" in text else None
 
 
-def start_lodger(args: list[str], env: dict[str, str] | None = None, log_dir: Path | None = None) -> Running:
-    """Start `lodger ARGS` in the background; stdout/stderr go to files in ``log_dir``."""
+def start_lodger(args: list[str], env: dict[str, str] | None = None, log_dir: Path | None = None, *,
+                 fork: bool = True) -> Running:
+    """Start `lodger ARGS` in the background; stdout/stderr go to files in ``log_dir``. ``fork=False``
+    execs it even where the fork server could start it (tests/e2e/zygote.py)."""
     import tempfile
 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="lodger-proc-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     n = len(list(log_dir.glob("proc-*.out")))
     out, err = log_dir / f"proc-{n}.out", log_dir / f"proc-{n}.err"
+    args, env = [str(a) for a in args], env or lodger_env()
+    if fork and forkable(args, env):
+        return Running(_fork(args, env, out, err), out, err)  # type: ignore[arg-type]
     with open(out, "wb") as fo, open(err, "wb") as fe:
-        proc = subprocess.Popen([LODGER, *map(str, args)], env=env or lodger_env(), stdout=fo, stderr=fe)
+        proc = subprocess.Popen([LODGER, *args], env=env, stdout=fo, stderr=fe)
     return Running(proc, out, err)
 
 
+# The commands that import torch, transformers and peft: forked from a server that imported them
+# once (tests/e2e/zygote.py), saving each about 4 s of a 2-core machine. Every other command is
+# exec'd as a user would run it (their tests check that they never import torch). LODGER_TEST_EXEC=1
+# execs every command.
+HEAVY = frozenset({"run", "resume", "export", "serve", "eval", "estimate", "reproduce"})
+# Variables that libraries read once, when imported: a command whose environment differs from the
+# server's in one of them is exec'd, so that it sees its own.
+_READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS",
+                   "CUDA", "CUBLAS", "PYTHON", "TOKENIZERS", "LD_", "NUMEXPR", "XDG_")
+
+
+def forkable(args: list[str], env: dict[str, str]) -> bool:
+    if os.environ.get("LODGER_TEST_EXEC") == "1" or not args or args[0] not in HEAVY:
+        return False
+    base = lodger_env()
+    keys = {k for k in (*env, *base) if k.startswith(_READ_AT_IMPORT)}
+    return all(env.get(k) == base.get(k) for k in keys)
+
+
+class Forked:
+    """The part of subprocess.Popen the tests use, for a process the fork server started: the pid is
+    the command's own, the exit status comes from the file the server writes when it reaps it."""
+
+    def __init__(self, pid: int, status: Path, args: list[str]):
+        self.pid, self._status, self.args = pid, status, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status.exists():
+            self.returncode = int(self._status.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.001
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
+            time.sleep(pause)  # a bounded poll of a status file, not a guess at a duration
+            pause = min(pause * 2, 0.02)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never signal a pid whose process has been reaped
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+_server: dict[str, Any] = {}
+_server_lock = threading.Lock()
+
+
+def _fork(args: list[str], env: dict[str, str], out: Path, err: Path, cwd: Path | None = None) -> Forked:
+    import socket
+    import tempfile
+
+    with _server_lock:
+        if _server.get("proc") is None or _server["proc"].poll() is not None:
+            folder = Path(tempfile.mkdtemp(prefix="lodger-zygote-"))
+            path = folder / "socket"
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), str(path)],
+                                    env=lodger_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            ready = proc.stdout.readline() if proc.stdout else b""
+            assert ready.strip() == b"ready", f"the fork server did not start: {ready!r}"
+            _server.update(proc=proc, path=path, folder=folder, n=0)
+        _server["n"] += 1
+        status = _server["folder"] / f"status-{_server['n']}"
+        request = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": str(out),
+                   "stderr": str(err), "status": str(status), "argv0": LODGER}
+        out.touch()
+        err.touch()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(str(_server["path"]))
+            conn.sendall((json.dumps(request) + "\n").encode())
+            answer = json.loads(conn.makefile("r").readline())
+    return Forked(answer["pid"], status, [LODGER, *args])
+
+
 def wait_until(condition, timeout: float, proc: subprocess.Popen | None = None, *, what: str,
-               output: Running | None = None, interval: float = 0.002):
-    """Poll ``condition()`` until it returns something truthy; fail if ``proc`` exits first or on timeout."""
+               output: Running | None = None, interval: float | None = None):
+    """Poll ``condition()`` until it returns something truthy; fail if ``proc`` exits first or on timeout.
+
+    ``interval`` fixes the pause between polls (for a state that lasts only milliseconds); by default
+    it grows from 2 to 20 ms, so that a long wait does not take a core from the processes it waits on."""
     deadline = time.monotonic() + timeout
+    pause = interval or 0.002
     while True:
         value = condition()
         if value:
@@ -179,7 +288,9 @@ def wait_until(condition, timeout: float, proc: subprocess.Popen | None = None, 
                                                                          f"exit {proc.returncode}"))
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)  # a short poll inside a bounded wait, not a guess at how long something takes
+        time.sleep(pause)  # a short poll inside a bounded wait, not a guess at how long something takes
+        if interval is None:
+            pause = min(pause * 1.25, 0.02)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -209,8 +320,9 @@ def wait_for_step(run_dir: Path, step: int, proc: Running | subprocess.Popen | N
                  if r["kind"] == "train" and (segment is None or r.get("segment") == segment)]
         return max(steps) if steps and max(steps) >= step else None
 
+    # A fixed 2 ms: tests kill at the step they waited for, and a step of the tiny model takes 30 ms.
     return wait_until(reached, timeout, popen, what=f"step {step} in {run_dir}/metrics.jsonl",
-                      output=proc if isinstance(proc, Running) else None)
+                      output=proc if isinstance(proc, Running) else None, interval=0.002)
 
 
 def train_records(run_dir: Path) -> list[dict]:

@@ -122,7 +122,7 @@ def test_dpo_killed_mid_checkpoint_released_held_and_killed_at_a_random_step_res
         wait_for_step(folder, paused_at + 1, proc, segment=2)
         held = asked_while_frozen(proc, ["pause", run_id, "--hold"], env)
         assert held.returncode == 0, describe(held)
-        assert "continues" in run_lodger(["resume", run_id], env).stdout
+        assert "continues" in run_lodger(["resume", run_id], env, fork=False).stdout
         wait_for_step(folder, target, proc, segment=2)
         proc.kill(signal.SIGKILL)
         assert killed_by_sigkill(proc.wait()), describe(proc)
