@@ -29,10 +29,18 @@ pytest.importorskip("ray", reason="ray is not installed (pip install 'lodger[rem
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}  # a throwaway cluster, both sides
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: every socket stays bound until all are chosen (one bound and
+    closed at a time, the kernel may hand out the same port twice, and Ray refuses a head whose
+    components share one: CI saw the dashboard and the client server both get 56849)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _processes_mentioning(text: str) -> list:
@@ -59,7 +67,7 @@ def ray_head():
     # Every port a head listens on is a free one: another Ray head on this machine (another test
     # module, another user) holds the defaults, and a head whose agent could not bind refuses jobs
     # ("No available agent to submit job").
-    port, dashboard, agent, client = _free_port(), _free_port(), _free_port(), _free_port()
+    port, dashboard, agent, client = _free_ports(4)
     saved = {k: os.environ.get(k) for k in RAY_ENV}
     os.environ.update(RAY_ENV)
     ray = str(Path(sys.executable).with_name("ray"))
