@@ -6,6 +6,7 @@ when it differs between a checkpoint and the process resuming from it, that is d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -55,13 +56,19 @@ def git_state(folder: Path) -> dict[str, Any]:
     }
 
 
-def packages() -> dict[str, str]:
+@functools.cache  # the versions this process loaded its code from: read once (about 0.35 s for 400 packages)
+def _installed() -> tuple[tuple[str, str], ...]:
     found = {}
     for dist in metadata.distributions():
         name = dist.metadata["Name"]
         if name:
             found[name.lower()] = dist.version
-    return dict(sorted(found.items()))
+    return tuple(sorted(found.items()))
+
+
+def packages() -> dict[str, str]:
+    """Every installed distribution's version, by lower-case name (a new dict each call)."""
+    return dict(_installed())
 
 
 def cpu_model() -> str:
