@@ -15,6 +15,9 @@ Each request is one JSON line on a connection to SOCKET: {"args", "env", "cwd", 
 
 Nothing here is forked before the preloaded modules are imported, and nothing is computed in the
 server: no thread is started and no OpenMP pool exists to be copied half-alive into a child.
+The one thing a child takes from its siblings is the measured size of the training runtime
+(``share_runtime_size``), which lodger otherwise measures again in each test's new home.
+
 tests/e2e/helpers.py decides which commands come here (forked) and which are exec'd as usual
 (the read-only commands, whose tests check that they never import torch, and any command whose
 environment differs from the server's in a variable read at import time).
@@ -29,6 +32,7 @@ import select
 import socket
 import sys
 import threading
+from pathlib import Path
 
 PRELOAD = ("torch", "transformers", "peft", "safetensors.torch", "transformers.models.llama.modeling_llama",
            "lodger.cli.main", "lodger.run", "lodger.train.loop", "lodger.model", "lodger.export")
@@ -101,8 +105,54 @@ def serve(path: str) -> dict | None:
             conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
 
 
+def _copy_private(source: Path, target: Path) -> None:
+    """``source`` to ``target``, owner-only (as lodger writes its files), whole or not at all."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(source.read_bytes())
+    os.replace(tmp, target)
+
+
+def share_runtime_size(shared: Path, command: str) -> None:
+    """In the child: the size of the training runtime (``lodger.measure.runtime_bytes``: a fresh
+    interpreter that imports torch, transformers and peft, 5-6 s of a 2-core machine) is measured
+    once per home and kept in its cache by library versions and threads, and nearly every test has
+    a new home. The memo another child of this server measured is copied into this command's home
+    (what that home's second run would find: the same machine, versions and threads), and one this
+    command measures is offered to the next. Only into a home that is private already, or that
+    does not exist yet for a command that makes it anyway (made owner-only, as lodger makes it):
+    tightening a home others can read stays lodger's, with its notice."""
+    import atexit
+    import stat
+
+    from lodger.home import private_mkdir
+
+    home = Path(os.environ.get("LODGER_HOME") or Path.home() / ".lodger")
+    if not home.exists():
+        if command not in ("run", "reproduce"):
+            return
+    elif not home.is_dir() or stat.S_IMODE(home.stat().st_mode) & 0o077:
+        return
+    mine = home / "cache" / "runtime"
+    private_mkdir(mine)
+    for memo in shared.glob("*.json"):
+        if not (mine / memo.name).exists():
+            _copy_private(memo, mine / memo.name)
+
+    def offer() -> None:
+        for memo in mine.glob("*.json"):
+            if not (shared / memo.name).exists():
+                _copy_private(memo, shared / memo.name)
+
+    atexit.register(offer)
+
+
 if __name__ == "__main__":
-    if serve(sys.argv[1]) is not None:
+    server_socket = Path(sys.argv[1])
+    request = serve(str(server_socket))  # in a child: sys.argv is the command's from here on
+    if request is not None:
         from lodger.cli.main import main
 
+        share_runtime_size(server_socket.parent, (request["args"] or [""])[0])
         sys.exit(main())
