@@ -1,8 +1,9 @@
 """Federated fine-tuning on Flower's deployment runtime: a real SuperLink and real SuperNodes on
 127.0.0.1, each client with its own LODGER_HOME and registered dataset, the tiny random Llama.
 
-One heavy scenario (three rounds; the server side SIGKILLed after round 1 is committed and started
-again, then one client's SuperNode SIGKILLed mid-round and started again) and light in-process
+One heavy scenario (two rounds; the server side SIGKILLed after round 1 is committed and started
+again, then, in the round the restarted server asks for, one client's SuperNode SIGKILLed mid-round
+and started again: one round fewer than it once had, the same faults) and light in-process
 checks (one client, one local step: the first round's global adapter is a local run's adapter, bit
 for bit; a client killed mid-round).
 """
@@ -17,7 +18,7 @@ from helpers import describe, lodger_env, run_lodger, wait_until, write_job
 
 from lodger.federated import processes
 
-ROUNDS, LOCAL_STEPS = 3, 2
+ROUNDS, LOCAL_STEPS = 2, 2
 CLIENTS = ("alice", "bob")
 
 
@@ -119,7 +120,7 @@ def _reference(tmp_path: Path, job: Path, homes: dict[str, Path], monkeypatch) -
     return tensors
 
 
-def test_two_clients_three_rounds_survive_a_server_kill_and_match_the_reference(tiny_model_dir, tmp_path,
+def test_two_clients_two_rounds_survive_a_server_kill_and_match_the_reference(tiny_model_dir, tmp_path,
                                                                                 monkeypatch):
     job = _job(tmp_path, tiny_model_dir)
     homes = {name: _client_home(tmp_path, name, seed) for seed, name in enumerate(CLIENTS)}
