@@ -8,6 +8,7 @@ bounded loop), never by sleeping for a guessed time.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -242,6 +243,19 @@ _server: dict[str, Any] = {}
 _server_lock = threading.Lock()
 
 
+def _stop_server(proc: subprocess.Popen, folder: Path) -> None:
+    """At the test process's exit: the fork server ends when its stdin closes; then its folder (the
+    socket, the exit statuses, the shared runtime size) goes too, instead of staying in /tmp."""
+    if proc.stdin:
+        proc.stdin.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _fork(args: list[str], env: dict[str, str], out: Path, err: Path, cwd: Path | None = None) -> Forked:
     import socket
     import tempfile
@@ -255,6 +269,7 @@ def _fork(args: list[str], env: dict[str, str], out: Path, err: Path, cwd: Path 
             ready = proc.stdout.readline() if proc.stdout else b""
             assert ready.strip() == b"ready", f"the fork server did not start: {ready!r}"
             _server.update(proc=proc, path=path, folder=folder, n=0)
+            atexit.register(_stop_server, proc, folder)
         _server["n"] += 1
         status = _server["folder"] / f"status-{_server['n']}"
         request = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": str(out),
