@@ -214,9 +214,23 @@ class Forked:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
+        if self.returncode is None and not self._status.exists() and self._ended():
+            # Ended, not yet reaped: the server reaps and writes the status within its 20 ms loop.
+            deadline = time.monotonic() + 5
+            while not self._status.exists() and time.monotonic() < deadline:
+                time.sleep(0.002)  # a bounded poll of a file about to appear
         if self.returncode is None and self._status.exists():
             self.returncode = int(self._status.read_text())
         return self.returncode
+
+    def _ended(self) -> bool:
+        """The process has exited (a zombie awaiting the server's reap, or gone), as Popen.poll sees it."""
+        import psutil
+
+        try:
+            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
