@@ -28,10 +28,11 @@ from lodger.control import notify, run_state, write_request
 from lodger.ledger import Ledger
 from lodger.runlock import is_locked, lock_pid
 
-# Long enough that the run is still training while the test acts on it (about 10 s of training on
-# one thread), with gradient accumulation so a release can land between the two micro-batches of a
-# step, and LoRA dropout so a release that failed to put the RNG back would change the losses.
-LONG_JOB = dict(steps=240, batch_size=4, grad_accum=2, every_steps=25, keep_last=2, threads=1,
+# Long enough that the run is still training while the test acts on it (about 20 s of training on
+# one thread; 240 steps once ended before a test's sixth CLI call under load), with gradient
+# accumulation so a release can land between the two micro-batches of a step, and LoRA dropout so
+# a release that failed to put the RNG back would change the losses.
+LONG_JOB = dict(steps=480, batch_size=4, grad_accum=2, every_steps=25, keep_last=2, threads=1,
                 max_length=64, dropout=0.1, eval_every=None)
 NO_POLICY = {"policy": {"enabled": False}}
 POLL = 0.02  # seconds between looks at a file: fine-grained, but not a busy loop beside the run
