@@ -121,7 +121,7 @@ def _reference(tmp_path: Path, job: Path, homes: dict[str, Path], monkeypatch) -
 
 
 def test_two_clients_two_rounds_survive_a_server_kill_and_match_the_reference(tiny_model_dir, tmp_path,
-                                                                                monkeypatch):
+                                                                              monkeypatch):
     job = _job(tmp_path, tiny_model_dir)
     homes = {name: _client_home(tmp_path, name, seed) for seed, name in enumerate(CLIENTS)}
     port = processes.free_port()

@@ -106,7 +106,9 @@ def serve(path: str) -> dict | None:
 
 
 def _copy_private(source: Path, target: Path) -> None:
-    """``source`` to ``target``, owner-only (as lodger writes its files), whole or not at all."""
+    """``source`` to ``target``, owner-only (as lodger writes its files), whole or not at all. Not
+    ``durable.atomic_write``: its fault point would fire here, before the command a test aims its
+    $LODGER_FAULT at has started."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
