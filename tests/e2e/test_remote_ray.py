@@ -4,6 +4,8 @@ An approved job (a Plan as the gate builds it) is submitted through Ray's job su
 the Ray job runs the same lodger training in its own home under the target's storage folder;
 `lodger sync`, `show`, `logs`, `pause`, `resume` and `cancel` work on it from here. The results
 are compared bitwise with the uninterrupted local baseline of the same job and thread count.
+One scenario stages to an s3:// target (a moto S3 server on 127.0.0.1) instead of a folder; it is
+here rather than beside the other storage tests so that the module's one Ray head serves it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 from helpers import (TOTAL_STEPS, describe, event_kinds, final_adapter_bytes, lodger_env,
                      read_metrics, run_dir_of, run_lodger, show, train_records, wait_for_step, wait_until,
                      write_job)
+from s3_server import boto_client, s3_bucket, s3_server  # noqa: F401 - fixtures
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'lodger[remote]')")
 
@@ -417,3 +420,66 @@ def test_two_ray_train_workers_killed_and_resumed_end_bitwise_equal_to_two_ranks
         raise AssertionError(f"{exc}\n{ray_log()}") from None
     assert info["ray_status"] == "SUCCEEDED" and info["submission_id"].endswith("-s1"), info
     _assert_equal_to_two_ranks_here(run_dir_of(run_id, env), info, ddp_baseline)
+
+
+def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s3_server, ray_head, standard_job,
+                                                                      baseline, lodger_home, tmp_path, monkeypatch):
+    """Through the gate to an s3:// target on a real Ray head: the job stages to and commits
+    checkpoints in the bucket; `pause` reaches it as an object it polls; `resume` continues from
+    the bucket on a fresh scratch home; its training process is SIGKILLed and resumed again; `sync`
+    brings everything home bitwise equal to a local run. Nothing secret lands in the bucket, the
+    ledger or a job file."""
+    import secrets
+    import tempfile
+
+    from lodger.runlock import lock_pid
+
+    secret = f"lodger-e2e-secret-{secrets.token_hex(8)}"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # moto takes any key; a unique one can be searched for
+    env = lodger_env(lodger_home, **RAY_ENV)
+    head = {**ray_head, "storage": f"{s3_bucket}/lodger"}
+    run_id = _submit_through_gate(standard_job, head, env, tmp_path)
+    client, bucket = boto_client(s3_server), s3_bucket.removeprefix("s3://")
+
+    scratch = Path(tempfile.gettempdir()) / "lodger-worker" / run_id / "home" / "runs" / run_id
+    # Asked at once (the request waits in the bucket until the worker polls it), so that it lands
+    # well before the 24 steps end however loaded this machine is.
+    paused = run_lodger(["pause", run_id, "--timeout", "300"], env)  # a request object the worker polls
+    assert paused.returncode == 0 and "paused at step" in paused.stdout, describe(paused)
+    info = _wait_synced(run_id, env, ("paused",), ray_ended=True)
+    step = info["step"]
+    assert step < 20 and (not step or info["checkpoints"][-1] == f"step-{step:08d}"), info
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
+    run = f"lodger/{run_id}"
+    assert {f"{run}/job.toml", f"{run}/chain_head.json", f"{run}/events/000000001.json",
+            f"{run}/heartbeats/{run_id}-s0.json", f"{run}/home/runs/{run_id}/control/user.json"} <= keys, sorted(keys)
+    assert any(k.startswith(f"{run}/data/") for k in keys) and any(k.startswith(f"{run}/model/") for k in keys)
+
+    resumed = run_lodger(["resume", run_id], env)  # a fresh scratch home, seeded from the bucket
+    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
+    wait_for_step(scratch, step + 3, segment=1, timeout=300)
+    pid = lock_pid(scratch)
+    assert pid, "the training process's lock names no pid"
+    os.kill(pid, signal.SIGKILL)
+    crashed = _wait_synced(run_id, env, ("crashed",))
+    assert crashed["ray_status"] == "FAILED" and crashed["step"] < 24, crashed
+
+    resumed = run_lodger(["resume", run_id], env)
+    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
+    info = _wait_synced(run_id, env, ("finished",))
+    local = run_dir_of(run_id, env)
+    assert info["submission_id"].endswith("-s2") and info["checkpoints"] == ["step-00000020", "step-00000024"], info
+    assert train_records(local) == baseline.records
+    assert final_adapter_bytes(local) == baseline.adapter
+    shown = show(run_id, env)
+    assert {"created", "started", "checkpoint", "resumed", "finished"} <= set(_remote_events(shown))
+    assert event_kinds(shown).count("remote_submitted") == 3 and "remote_job_ended" in event_kinds(shown)
+    assert shown["last_train"]["step"] == 24  # metrics came home through the event log
+    audit = run_lodger(["audit"], env)
+    assert audit.returncode == 0, describe(audit)
+
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert f"{run}/home/runs/{run_id}/checkpoints/step-00000024/MANIFEST.json" in keys
+    assert not [k for k in keys if secret.encode() in client.get_object(Bucket=bucket, Key=k)["Body"].read()]
+    leaked = [p for p in Path(lodger_home).rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not leaked, leaked

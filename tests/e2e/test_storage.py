@@ -15,12 +15,6 @@ from pathlib import Path
 
 import pytest
 from s3_server import boto_client, s3_bucket, s3_server  # noqa: F401 - fixtures
-try:  # a real local Ray head, started only by the test that asks for it
-    from test_remote_ray import ray_head  # noqa: F401 - fixture
-except pytest.skip.Exception:  # ray not installed: only the scenario that needs it is skipped
-    @pytest.fixture(scope="module")
-    def ray_head():
-        pytest.skip("ray is not installed (pip install 'lodger[remote]')")
 
 from lodger.errors import CheckpointError
 from lodger.remote import storage
@@ -363,92 +357,3 @@ def test_a_job_killed_repeatedly_without_checkpoints_stops_at_its_wall_time_limi
     watch.check()
     limit = read_requests(folder)["limit"]
     assert limit["state"] == "release" and "wall-time limit" in limit["reason"] and limit["wall_hours"] >= 75 / 3600
-
-
-def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s3_server, ray_head, standard_job,
-                                                                      baseline, lodger_home, tmp_path, monkeypatch):
-    """Through the gate to an s3:// target on a real Ray head: the job stages to and commits
-    checkpoints in the bucket; `pause` reaches it as an object it polls; `resume` continues from
-    the bucket on a fresh scratch home; its training process is SIGKILLed and resumed again; `sync`
-    brings everything home bitwise equal to a local run. Nothing secret lands in the bucket, the
-    ledger or a job file."""
-    import secrets
-    import tempfile
-
-    from helpers import (describe, event_kinds, final_adapter_bytes, lodger_env, run_dir_of, run_lodger, show,
-                         train_records, wait_for_step)
-    from test_remote_ray import RAY_ENV, _remote_events, _submit_through_gate, _wait_synced
-
-    from lodger.runlock import lock_pid
-
-    secret = f"lodger-e2e-secret-{secrets.token_hex(8)}"
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # moto takes any key; a unique one can be searched for
-    env = lodger_env(lodger_home, **RAY_ENV)
-    head = {**ray_head, "storage": f"{s3_bucket}/lodger"}
-    _wait_for_job_agent(ray_head["address"])
-    run_id = _submit_through_gate(standard_job, head, env, tmp_path)
-    client, bucket = boto_client(s3_server), s3_bucket.removeprefix("s3://")
-
-    scratch = Path(tempfile.gettempdir()) / "lodger-worker" / run_id / "home" / "runs" / run_id
-    # Asked at once (the request waits in the bucket until the worker polls it), so that it lands
-    # well before the 24 steps end however loaded this machine is.
-    paused = run_lodger(["pause", run_id, "--timeout", "300"], env)  # a request object the worker polls
-    assert paused.returncode == 0 and "paused at step" in paused.stdout, describe(paused)
-    info = _wait_synced(run_id, env, ("paused",), ray_ended=True)
-    step = info["step"]
-    assert step < 20 and (not step or info["checkpoints"][-1] == f"step-{step:08d}"), info
-    keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]}
-    run = f"lodger/{run_id}"
-    assert {f"{run}/job.toml", f"{run}/chain_head.json", f"{run}/events/000000001.json",
-            f"{run}/heartbeats/{run_id}-s0.json", f"{run}/home/runs/{run_id}/control/user.json"} <= keys, sorted(keys)
-    assert any(k.startswith(f"{run}/data/") for k in keys) and any(k.startswith(f"{run}/model/") for k in keys)
-
-    resumed = run_lodger(["resume", run_id], env)  # a fresh scratch home, seeded from the bucket
-    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
-    wait_for_step(scratch, step + 3, segment=1, timeout=300)
-    pid = lock_pid(scratch)
-    assert pid, "the training process's lock names no pid"
-    os.kill(pid, signal.SIGKILL)
-    crashed = _wait_synced(run_id, env, ("crashed",))
-    assert crashed["ray_status"] == "FAILED" and crashed["step"] < 24, crashed
-
-    resumed = run_lodger(["resume", run_id], env)
-    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
-    info = _wait_synced(run_id, env, ("finished",))
-    local = run_dir_of(run_id, env)
-    assert info["submission_id"].endswith("-s2") and info["checkpoints"] == ["step-00000020", "step-00000024"], info
-    assert train_records(local) == baseline.records
-    assert final_adapter_bytes(local) == baseline.adapter
-    shown = show(run_id, env)
-    assert {"created", "started", "checkpoint", "resumed", "finished"} <= set(_remote_events(shown))
-    assert event_kinds(shown).count("remote_submitted") == 3 and "remote_job_ended" in event_kinds(shown)
-    assert shown["last_train"]["step"] == 24  # metrics came home through the event log
-    audit = run_lodger(["audit"], env)
-    assert audit.returncode == 0, describe(audit)
-
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]]
-    assert f"{run}/home/runs/{run_id}/checkpoints/step-00000024/MANIFEST.json" in keys
-    assert not [k for k in keys if secret.encode() in client.get_object(Bucket=bucket, Key=k)["Body"].read()]
-    leaked = [p for p in Path(lodger_home).rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
-    assert not leaked, leaked
-
-
-def _wait_for_job_agent(address: str) -> None:
-    """A fresh Ray head answers "No available agent to submit job" for a while: submit a no-op job
-    until it is accepted (bounded), so the scenario's one submission is not refused."""
-    from helpers import wait_until
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(address)
-
-    def accepted():
-        try:
-            return client.submit_job(entrypoint="true")
-        except RuntimeError as exc:
-            if "No available agent" in str(exc):
-                return None
-            raise
-
-    job = wait_until(accepted, 180, what="the Ray head's job agent", interval=0.5)
-    wait_until(lambda: str(client.get_job_status(job)) in ("SUCCEEDED", "JobStatus.SUCCEEDED"), 180,
-               what="the probe job to end", interval=0.2)
