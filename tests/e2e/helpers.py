@@ -187,10 +187,11 @@ def start_lodger(args: list[str], env: dict[str, str] | None = None, log_dir: Pa
 
 
 # The commands that import torch, transformers and peft: forked from a server that imported them
-# once (tests/e2e/zygote.py), saving each about 4 s of a 2-core machine. Every other command is
-# exec'd as a user would run it (their tests check that they never import torch). LODGER_TEST_EXEC=1
-# execs every command.
-HEAVY = frozenset({"run", "resume", "export", "serve", "eval", "estimate", "reproduce"})
+# once (tests/e2e/zygote.py), saving each about 4 s of a 2-core machine. Every other command is forked
+# from a light server that imported only the CLI, as such a command does when run as a user runs it
+# (about 0.15 s of a core each, some 500 times a suite); the tests that check they never import
+# torch run their own probes. LODGER_TEST_EXEC=1 execs every command.
+HEAVY = frozenset({"run", "resume", "export", "serve", "eval", "estimate", "reproduce", "submit"})
 # Variables that libraries read once, when imported: a command whose environment differs from the
 # server's in one of them is exec'd, so that it sees its own.
 _READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS",
@@ -198,7 +199,7 @@ _READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OM
 
 
 def forkable(args: list[str], env: dict[str, str]) -> bool:
-    if os.environ.get("LODGER_TEST_EXEC") == "1" or not args or args[0] not in HEAVY:
+    if os.environ.get("LODGER_TEST_EXEC") == "1" or not args:
         return False
     base = lodger_env()
     keys = {k for k in (*env, *base) if k.startswith(_READ_AT_IMPORT)}
@@ -253,7 +254,7 @@ class Forked:
         self.send_signal(signal.SIGTERM)
 
 
-_server: dict[str, Any] = {}
+_servers: dict[bool, dict[str, Any]] = {}  # light or not -> its process, socket, folder, count
 _server_lock = threading.Lock()
 
 
@@ -274,24 +275,27 @@ def _fork(args: list[str], env: dict[str, str], out: Path, err: Path, cwd: Path 
     import socket
     import tempfile
 
+    light = args[0] not in HEAVY
     with _server_lock:
-        if _server.get("proc") is None or _server["proc"].poll() is not None:
+        server = _servers.setdefault(light, {})
+        if server.get("proc") is None or server["proc"].poll() is not None:
             folder = Path(tempfile.mkdtemp(prefix="lodger-zygote-"))
             path = folder / "socket"
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), str(path)],
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), str(path),
+                                     *(["--light"] if light else [])],
                                     env=lodger_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             ready = proc.stdout.readline() if proc.stdout else b""
             assert ready.strip() == b"ready", f"the fork server did not start: {ready!r}"
-            _server.update(proc=proc, path=path, folder=folder, n=0)
+            server.update(proc=proc, path=path, folder=folder, n=0)
             atexit.register(_stop_server, proc, folder)
-        _server["n"] += 1
-        status = _server["folder"] / f"status-{_server['n']}"
+        server["n"] += 1
+        status = server["folder"] / f"status-{server['n']}"
         request = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "stdout": str(out),
                    "stderr": str(err), "status": str(status), "argv0": LODGER}
         out.touch()
         err.touch()
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(str(_server["path"]))
+            conn.connect(str(server["path"]))
             conn.sendall((json.dumps(request) + "\n").encode())
             answer = json.loads(conn.makefile("r").readline())
     return Forked(answer["pid"], status, [LODGER, *args])

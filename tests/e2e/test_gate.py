@@ -176,9 +176,8 @@ def test_an_estimate_that_does_not_fit_the_target_is_refused(setup: dict) -> Non
 
 
 def test_without_approval_nothing_is_submitted(setup: dict) -> None:
-    # stdin is not a terminal: nobody can type yes, so no --approve means no
-    result = subprocess.run([LODGER, "submit", setup["job"], "--target", "lab"], env=lodger_env(setup["home"]),
-                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    # stdin is not a terminal (/dev/null): nobody can type yes, so no --approve means no
+    result = run_lodger(["submit", setup["job"], "--target", "lab"], lodger_env(setup["home"]))
     assert_not_approved(result, setup)
     # the plan was printed in full before the question: every file, its size and whole hash
     for role in ("train", "eval"):
