@@ -2,8 +2,9 @@
 127.0.0.1, each client with its own LODGER_HOME and registered dataset, the tiny random Llama.
 
 One heavy scenario (two rounds; the server side SIGKILLed after round 1 is committed and started
-again, then, in the round the restarted server asks for, one client's SuperNode SIGKILLed mid-round
-and started again: one round fewer than it once had, the same faults) and light in-process
+again, its stale Flower run stopped; then, in the round the restarted server asks for, one
+client's SuperNode SIGKILLed mid-round and started again: one round fewer than it once had, the
+same faults) and light in-process
 checks (one client, one local step: the first round's global adapter is a local run's adapter, bit
 for bit; a client killed mid-round).
 """
@@ -179,6 +180,10 @@ def test_two_clients_two_rounds_survive_a_server_kill_and_match_the_reference(ti
     # The server continued after its last committed round instead of starting again.
     starts = _events(server_home, "federated_server_started")
     assert [s["data"]["resumed_after_round"] for s in starts] == [0, max(committed_at_kill)], logs
+    # The killed server side's Flower run, still `running` for Flower, was stopped before the new
+    # one was submitted (the SuperNodes would otherwise wait up to a minute on its last message).
+    stopped = [e["data"] for e in _events(server_home, "federated_run_stopped")]
+    assert [(e["flower_run"], e["stopped"]) for e in stopped] == [(int(starts[0]["data"]["flower_run"]), True)], logs
     short = [e["data"] for e in _events(server_home, "federated_round_short")]
     assert any(e["round"] == ROUNDS and e["replies"] == 1 and "1" not in e["declined"]
                and any("Node Unavailable" in why for why in e["declined"].values()) for e in short), (short, logs)

@@ -248,9 +248,11 @@ def run_app(home: Path, superlink: str, run_config: dict[str, object], *, app_di
             insecure: bool = True, timeout: float = 120.0) -> int:
     """Submit lodger's Flower app with `flwr run APP lodger --run-config ...`; return Flower's run id.
 
-    ``run_config`` reaches the ServerApp and ClientApps as ``context.run_config``."""
+    ``run_config`` reaches the ServerApp and ClientApps as ``context.run_config``. A run of the
+    same job that a killed server side left `running` is stopped first (``stop_stale_run``)."""
     env = _env(home)
     write_connection(Path(env["FLWR_HOME"]), superlink, insecure)
+    stop_stale_run(home, run_config)
     cmd = [flwr_bin("flwr"), "run", str(app_dir), CONNECTION, "--format", "json"]
     if run_config:
         cmd += ["--run-config", node_config_arg(run_config)]
@@ -273,3 +275,43 @@ def run_status(home: Path, run_id: int, timeout: float = 60.0) -> str:
         return str(answer["runs"][0]["status"])
     except (ValueError, KeyError, IndexError, TypeError):
         raise FederatedError(f"`flwr ls` could not read run {run_id}: {done.stdout[-800:]}{done.stderr[-800:]}") from None
+
+
+def stop_stale_run(home: Path, run_config: dict[str, object]) -> int | None:
+    """Stop the Flower run of this job whose ServerApp is gone but which Flower still counts as
+    `running`; return its id (None: there was none).
+
+    A server side killed mid-job (SuperLink and ServerApp at once) leaves its run `running` until
+    Flower's heartbeat gives up on it (twice 30 s, fixed in Flower), and every SuperNode keeps
+    trying to fetch that run's last message meanwhile: the job started again would wait that long
+    for its clients. Which run: the newest one whose ServerApp started this job (its
+    `federated_server_started` event in the job's ledger), and only while no ServerApp holds the
+    job's lock, so a live server is never stopped. The stop is recorded with its reason."""
+    from ..runlock import is_locked
+    from .rounds import job_folder
+
+    lodger_home, job_id = run_config.get("lodger-home"), str(run_config.get("job-id") or "")
+    if not lodger_home or not (Path(str(lodger_home)) / "ledger.db").is_file():
+        return None
+    folder = job_folder(job_id, Path(str(lodger_home)))
+    if not folder.is_dir() or is_locked(folder):
+        return None
+    from ..ledger import Ledger
+
+    with Ledger(Path(str(lodger_home)) / "ledger.db") as ledger:
+        started = [e["data"] for e in ledger.events_of_kinds(("federated_server_started",))
+                   if e["data"].get("job_id") == job_id and str(e["data"].get("flower_run") or "").isdigit()]
+        if not started:
+            return None
+        stale = int(started[-1]["flower_run"])
+        try:
+            if run_status(home, stale) != "running":
+                return None
+        except FederatedError:
+            return None  # a run this SuperLink does not know (another SuperLink, or its state was lost)
+        done = subprocess.run([flwr_bin("flwr"), "stop", str(stale), CONNECTION, "--format", "json"], env=_env(home),
+                              capture_output=True, text=True, timeout=60)
+        ledger.event(None, "federated_run_stopped", job_id=job_id, flower_run=stale, stopped=done.returncode == 0,
+                     reason="its ServerApp is gone (no process holds the job's lock) and Flower still counted it running")
+    return stale
+
