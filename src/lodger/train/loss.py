@@ -46,7 +46,7 @@ def head_parts(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     decoder = getattr(base, "base_model", None)  # transformers: the model without its head
     if (getattr(config, "model_type", None) in HEAD_ONLY and type(head) is torch.nn.Linear
-            and head.bias is None and decoder is not None and decoder is not base):
+            and head is not None and head.bias is None and decoder is not None and decoder is not base):
         parts = (decoder, head)
     model._lodger_head_parts = parts
     return parts
