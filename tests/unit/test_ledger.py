@@ -346,3 +346,12 @@ def test_concurrent_writers_and_a_reader_lose_no_event(tmp_path):
     assert audit() == (total, [])
     final = lodger("ls", "--json")
     assert sorted(r["id"] for r in json.loads(final.stdout)) == [f"w{k}" for k in range(writers)]
+
+
+def test_installed_packages_are_read_from_the_metadata_headers_as_importlib_reads_them():
+    from importlib import metadata
+
+    from lodger.ledger import provenance
+
+    expected = {d.metadata["Name"].lower(): d.version for d in metadata.distributions() if d.metadata["Name"]}
+    assert provenance.packages() == expected and "torch" in expected

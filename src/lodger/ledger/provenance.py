@@ -56,14 +56,31 @@ def git_state(folder: Path) -> dict[str, Any]:
     }
 
 
-@functools.cache  # the versions this process loaded its code from: read once (about 0.35 s for 400 packages)
+@functools.cache  # the versions this process loaded its code from: read once
 def _installed() -> tuple[tuple[str, str], ...]:
     found = {}
     for dist in metadata.distributions():
-        name = dist.metadata["Name"]
-        if name:
-            found[name.lower()] = dist.version
+        name, version = _name_and_version(dist)
+        if name and version:
+            found[name.lower()] = version
     return tuple(sorted(found.items()))
+
+
+def _name_and_version(dist: metadata.Distribution) -> tuple[str | None, str | None]:
+    """Name and Version from the head of a distribution's metadata file. ``dist.metadata["Name"]``
+    and ``dist.version`` each parse the whole file, long description included, with the email
+    parser: 0.10 s of every run's start for 213 packages here, against 0.01 s for reading the
+    headers alone (they end at the first empty line); the same names and versions."""
+    text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+    name = version = None
+    for line in text.splitlines():
+        if not line:
+            break
+        if line.startswith("Name:"):
+            name = line[5:].strip()
+        elif line.startswith("Version:"):
+            version = line[8:].strip()
+    return name, version
 
 
 def packages() -> dict[str, str]:
