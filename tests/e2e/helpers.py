@@ -189,7 +189,7 @@ def start_lodger(args: list[str], env: dict[str, str] | None = None, log_dir: Pa
 # The commands that import torch, transformers and peft: forked from a server that imported them
 # once (tests/e2e/zygote.py), saving each about 4 s of a 2-core machine. Every other command is forked
 # from a light server that imported only the CLI, as such a command does when run as a user runs it
-# (about 0.15 s of a core each, some 500 times a suite); the tests that check they never import
+# (0.1-0.3 s of a core each, some 500 times a suite); the tests that check they never import
 # torch run their own probes. LODGER_TEST_EXEC=1 execs every command.
 HEAVY = frozenset({"run", "resume", "export", "serve", "eval", "estimate", "reproduce", "submit"})
 # Variables that libraries read once, when imported: a command whose environment differs from the

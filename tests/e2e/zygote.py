@@ -12,8 +12,8 @@ run as the `lodger` script runs it, and the interpreter's own exit (atexit handl
 
 A light server (``--light``) imports only the CLI, as the light commands (`show`, `ls`, `status`,
 `pause`, ...) do: a command forked from it never has torch in its modules, as it would not in a
-process of its own, and saves the interpreter's start and the CLI's imports (0.2 s of a core each,
-some 500 times a suite).
+process of its own, and saves the interpreter's start and the CLI's imports (0.1-0.3 s of a core
+each, some 500 times a suite).
 
 Each request is one JSON line on a connection to SOCKET: {"args", "env", "cwd", "stdout", "stderr",
 "status"}; the answer is {"pid": N}. When the child ends, its exit status as subprocess reports it
@@ -24,9 +24,9 @@ server: no thread is started and no OpenMP pool exists to be copied half-alive i
 The one thing a child takes from its siblings is the measured size of the training runtime
 (``share_runtime_size``), which lodger otherwise measures again in each test's new home.
 
-tests/e2e/helpers.py decides which commands come here (forked) and which are exec'd as usual
-(the read-only commands, whose tests check that they never import torch, and any command whose
-environment differs from the server's in a variable read at import time).
+tests/e2e/helpers.py decides which server a command comes to and which commands are exec'd as
+usual (any command whose environment differs from the servers' in a variable read at import time;
+every command under LODGER_TEST_EXEC=1).
 """
 
 from __future__ import annotations

@@ -314,4 +314,3 @@ def stop_stale_run(home: Path, run_config: dict[str, object]) -> int | None:
         ledger.event(None, "federated_run_stopped", job_id=job_id, flower_run=stale, stopped=done.returncode == 0,
                      reason="its ServerApp is gone (no process holds the job's lock) and Flower still counted it running")
     return stale
-
