@@ -4,9 +4,8 @@
 One heavy scenario (two rounds; the server side SIGKILLed after round 1 is committed and started
 again, its stale Flower run stopped; then, in the round the restarted server asks for, one
 client's SuperNode SIGKILLed mid-round and started again: one round fewer than it once had, the
-same faults) and light in-process
-checks (one client, one local step: the first round's global adapter is a local run's adapter, bit
-for bit; a client killed mid-round).
+same faults) and light in-process checks (one client, one local step: the first round's global
+adapter is a local run's adapter, bit for bit; a client killed mid-round).
 """
 
 from __future__ import annotations

@@ -290,15 +290,15 @@ def stop_stale_run(home: Path, run_config: dict[str, object]) -> int | None:
     from ..runlock import is_locked
     from .rounds import job_folder
 
-    lodger_home, job_id = run_config.get("lodger-home"), str(run_config.get("job-id") or "")
-    if not lodger_home or not (Path(str(lodger_home)) / "ledger.db").is_file():
+    root, job_id = Path(str(run_config.get("lodger-home") or "")), str(run_config.get("job-id") or "")
+    if not run_config.get("lodger-home") or not (root / "ledger.db").is_file():
         return None
-    folder = job_folder(job_id, Path(str(lodger_home)))
+    folder = job_folder(job_id, root)
     if not folder.is_dir() or is_locked(folder):
         return None
     from ..ledger import Ledger
 
-    with Ledger(Path(str(lodger_home)) / "ledger.db") as ledger:
+    with Ledger(root / "ledger.db") as ledger:
         started = [e["data"] for e in ledger.events_of_kinds(("federated_server_started",))
                    if e["data"].get("job_id") == job_id and str(e["data"].get("flower_run") or "").isdigit()]
         if not started:
