@@ -121,6 +121,38 @@ def ask(run_folder: Path, requester: str, state: str | None, reason: str = "", *
     return wake(run_folder)
 
 
+def request_pause(run_folder: Path, mode: str, ledger, why: str = "lodger pause") -> int:
+    """The owner asks the local run in ``run_folder`` to release (checkpoint and exit) or hold;
+    `lodger pause` and `lodger ui` both ask through here. Returns the pid asked; raises
+    RunStateError when no process verifiably trains the run now (nothing is written then)."""
+    from .errors import RunStateError
+    from .runlock import is_locked
+
+    run_id = Path(run_folder).name
+    pid = holder(run_folder)
+    if pid is None:
+        unverified = ("; its lock is held, but not by the process its lock file names (nothing was signalled): "
+                      "if an older lodger trains it, wait for it to end") if is_locked(run_folder) else ""
+        raise RunStateError(f"run {run_id} is not training now{unverified}")
+    ask(run_folder, "user", mode, why, ledger=ledger, event={"kind": "pause_requested", "mode": mode, "by": "user"})
+    return pid
+
+
+def request_continue(run_folder: Path, ledger) -> list[str]:
+    """Withdraw the owner's (and the agent's) pause of a live, held run: what `lodger resume` does
+    for a run whose process still holds it. Returns the requesters that still hold it; raises
+    RunStateError when the run is neither held nor asked to be."""
+    from .errors import RunStateError
+
+    requests = read_requests(run_folder)
+    held = run_state(run_folder).get("state") == "held"  # e.g. by a server that died: its hold lapsed
+    if not held and not any(r.get("state") != "run" for r in requests.values()):
+        raise RunStateError(f"run {Path(run_folder).name} is training (or being evaluated) now; nothing to resume")
+    clear_request(run_folder, "agent")
+    ask(run_folder, "user", None, ledger=ledger, event={"kind": "resume_requested", "by": "user"})
+    return [k for k, v in read_requests(run_folder).items() if v.get("state") != "run"]
+
+
 def wake(run_folder: Path) -> int | None:
     """Send SIGUSR1 to the process that took the run's lock and still holds it, and to no other."""
     pid = holder(run_folder)

@@ -10,10 +10,6 @@ import click
 from ..errors import LodgerError, RunStateError
 
 
-_UNVERIFIED = ("; its lock is held, but not by the process its lock file names (nothing was signalled): "
-               "if an older lodger trains it, wait for it to end")
-
-
 @click.command()
 @click.argument("run_ids", metavar="[RUN]...", nargs=-1)
 @click.option("--hold", is_flag=True, help="Stop at the next layer and keep memory (no CPU) instead of "
@@ -33,7 +29,7 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
     Example: lodger pause my-job-20261129-101500-ab12 --hold
              lodger pause --all
     """
-    from ..control import ask, run_state
+    from ..control import request_pause, run_state
     from ..home import run_dir
     from ..ledger import Ledger
     from ..runlock import holder, is_locked
@@ -58,12 +54,10 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
                 waiting.append((run, pause_remote(ledger, run, mode), None, time.time()))
                 continue
             folder = run_dir(run["id"])
-            pid = holder(folder)
-            if pid is None:
-                raise RunStateError(f"run {run['id']} is not training now (status {run['status']})"
-                                    + (_UNVERIFIED if is_locked(folder) else ""))
-            ask(folder, "user", mode, "lodger pause", ledger=ledger,
-                event={"kind": "pause_requested", "mode": mode, "by": "user"})
+            try:
+                pid = request_pause(folder, mode, ledger)
+            except RunStateError as exc:
+                raise RunStateError(f"{exc} (status {run['status']})") from None
             waiting.append((run, folder, pid, time.time()))
     if no_wait:
         click.echo(f"asked {len(waiting)} run(s) to {mode}")

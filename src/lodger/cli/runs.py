@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..errors import LodgerError
+from ..runview import live_status
 
 
 def _human(value):
@@ -21,27 +22,6 @@ def _human(value):
 
 def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
-
-
-def live_status(run: dict) -> str:
-    """The recorded status, corrected for a process that died without saying so or is starting."""
-    from ..home import run_dir
-    from ..runlock import is_locked
-
-    if run.get("target"):
-        return run["status"]  # a remote run: as refresh_remote left it (its cluster was asked)
-    folder = run_dir(run["id"])
-    if run["status"] in ("running", "held") and not is_locked(folder):
-        return "crashed"
-    if run["status"] in ("created", "paused", "interrupted") and is_locked(folder):
-        from ..control import run_state
-        from ..runlock import lock_pid
-
-        # A new process has taken the run and is loading (it says "running" once it trains); the
-        # process that just paused it still holds the lock for a moment, but it wrote the state.
-        if run_state(folder).get("pid") != lock_pid(folder):
-            return "starting"
-    return run["status"]
 
 
 def refresh_remote(ledger, runs: list[dict], only_active: bool = False) -> tuple[list[dict], dict[str, str]]:

@@ -179,7 +179,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
     from ..jobfile import load_job
-    from ..control import ask, clear_request, read_requests, run_state
+    from ..control import clear_request, request_continue
     from ..home import run_dir
     from ..run import JOB_FILE
     from ..ledger import Ledger
@@ -201,13 +201,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
                                 "but not by the process its lock file names, so nothing was signalled; if an "
                                 "older lodger version trains it, wait for that to end")
         if pid is not None:
-            requests = read_requests(folder)
-            held = run_state(folder).get("state") == "held"  # e.g. by a server that died: its hold lapsed
-            if not held and not any(r.get("state") != "run" for r in requests.values()):
-                raise RunStateError(f"run {run['id']} is training (or being evaluated) now; nothing to resume")
-            clear_request(folder, "agent")
-            ask(folder, "user", None, ledger=ledger, event={"kind": "resume_requested", "by": "user"})
-            still = [k for k, v in read_requests(folder).items() if v.get("state") != "run"]
+            still = request_continue(folder, ledger)
             click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
             return
         if (folder / JOB_FILE).is_file():  # a missing one is refused, with its own message, just below
