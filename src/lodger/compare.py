@@ -121,17 +121,34 @@ def weight_difference(a: Path, b: Path) -> tuple[bool, float | None, str | None]
     """(bitwise equal, largest absolute difference, why not comparable)."""
     if a.read_bytes() == b.read_bytes():
         return True, 0.0, None
-    from safetensors.torch import load_file
+    if _has_bf16(a) or _has_bf16(b):  # numpy has no bfloat16: only torch reads these
+        from safetensors.torch import load_file
 
-    ta, tb = load_file(str(a)), load_file(str(b))
+        ta, tb = ({k: v.double().numpy() for k, v in load_file(str(p)).items()} for p in (a, b))
+    else:  # numpy, so that `lodger ui` compares runs without importing torch
+        from safetensors.numpy import load_file as load_numpy
+
+        ta, tb = load_numpy(str(a)), load_numpy(str(b))
     if set(ta) != set(tb):
         return False, None, "the runs train different tensors"
     largest = 0.0
     for name in ta:
         if ta[name].shape != tb[name].shape:
             return False, None, f"tensor {name} has shape {tuple(ta[name].shape)} vs {tuple(tb[name].shape)}"
-        largest = max(largest, (ta[name].double() - tb[name].double()).abs().max().item())
+        diff = abs(ta[name].astype("float64") - tb[name].astype("float64"))
+        largest = max(largest, float(diff.max()) if diff.size else 0.0)
     return largest == 0.0, largest, None
+
+
+def _has_bf16(path: Path) -> bool:
+    """Whether a safetensors file holds a bfloat16 tensor (its JSON header, read alone)."""
+    import json
+    import struct
+
+    with open(path, "rb") as fh:
+        size = struct.unpack("<Q", fh.read(8))[0]
+        header = json.loads(fh.read(size))
+    return any(isinstance(v, dict) and v.get("dtype") == "BF16" for v in header.values())
 
 
 @dataclass

@@ -58,7 +58,7 @@ def agent(interval: float, max_concurrent: int | None, for_seconds: float | None
 
 @click.group()
 def queue() -> None:
-    """Jobs waiting for the agent: add, ls, rm.
+    """Jobs waiting for the agent: add, ls, rm, priority.
 
     Example: lodger queue add my-job.toml --priority 5
     """
@@ -124,6 +124,22 @@ def queue_rm(queue_id: int) -> None:
         if not ledger.cancel_queued(queue_id):
             raise LodgerError(f"no queued job #{queue_id}; `lodger queue ls` lists them")
     click.echo(f"removed #{queue_id}")
+
+
+@queue.command(name="priority")
+@click.argument("queue_id", type=int)
+@click.argument("priority", type=int)
+def queue_priority(queue_id: int, priority: int) -> None:
+    """Give queued job QUEUE_ID a new PRIORITY (higher starts first): the queue's order.
+
+    Example: lodger queue priority 3 10
+    """
+    from ..ledger import Ledger
+
+    with Ledger() as ledger:
+        if not ledger.set_queue_priority(queue_id, priority):
+            raise LodgerError(f"no queued job #{queue_id}; `lodger queue ls` lists them")
+    click.echo(f"#{queue_id} now has priority {priority}")
 
 
 @click.command(name="_start-queued", hidden=True)

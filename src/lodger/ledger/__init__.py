@@ -314,6 +314,10 @@ class Ledger:
     def cancel_queued(self, queue_id: int) -> bool:
         return self.queue_move(queue_id, "unqueued", ("queued",))
 
+    def set_queue_priority(self, queue_id: int, priority: int) -> bool:
+        """A queued job's new priority (higher starts first); False once it is no longer queued."""
+        return self.queue_move(queue_id, "queue_priority", ("queued",), priority=priority)
+
     def queue_text_problem(self, queue_id: int, text: str | None = None) -> str | None:
         """Why entry ``queue_id``'s job text (or ``text``, the copy about to run) is not what was
         queued; None when it matches the sha256 its `queued` event carries."""

@@ -34,7 +34,7 @@ DATASET_COLUMNS = ("path", "sha256", "size", "lines", "license", "owner", "may_t
                    "may_federate")
 DATASET_KINDS = ("dataset_added", "dataset_updated", "dataset_granted", "dataset_revoked")
 QUEUE_KINDS = ("queued", "queue_starting", "queue_started", "dequeued", "queue_requeued", "unqueued",
-               "queue_failed", "queue_refused")
+               "queue_failed", "queue_refused", "queue_priority")
 QUEUE_STATES = {"queue_starting": "starting", "queue_started": "started", "dequeued": "started",
                 "queue_requeued": "queued", "unqueued": "cancelled", "queue_failed": "failed",
                 "queue_refused": "refused"}
@@ -107,6 +107,8 @@ def queue_changes(kind: str, data: dict, run_id: str | None, at: float) -> dict[
     if kind == "queued":
         return {"state": "queued", "name": data.get("name"), "priority": data.get("priority"),
                 "job_path": data.get("job_path"), "run_id": None}
+    if kind == "queue_priority":  # the owner reordered the queue: the entry stays queued
+        return {"priority": data.get("priority")}
     changes: dict[str, Any] = {"state": QUEUE_STATES[kind]}
     if kind == "queue_starting":
         changes.update(run_id=data.get("run_id"), agent_pid=data.get("agent_pid"), starting_at=at)
