@@ -99,13 +99,23 @@ PARALLEL := -n 2 --dist loadgroup
 # that need the machine to themselves (they measure its whole CPU load). Each pytest run ends with
 # its slowest 15 tests, so the next change sees where the time goes.
 DURATIONS := --durations=15 --durations-min=1
-test: $(DEV_STAMP) lint
+test: $(DEV_STAMP) browser lint
 	$(PY) -m pytest -q $(PARALLEL) $(DURATIONS) -m 'not gpu and not solo'
 	$(PY) -m pytest -q $(DURATIONS) -m solo
 
-test-fast: $(DEV_STAMP) lint
+test-fast: $(DEV_STAMP) browser lint
 	$(PY) -m pytest -q -x $(PARALLEL) -m 'not slow and not gpu and not solo'
 	$(PY) -m pytest -q -x -m solo
+
+# The browser tests (tests/e2e/test_ui_browser.py) drive Debian's Chromium through Playwright's
+# executable_path: Playwright's own browser download cannot work here. Installed when missing (as root,
+# as CI runs), about 300 MiB with its libraries.
+CHROMIUM := /usr/bin/chromium
+.PHONY: browser
+browser:
+	@test -x $(CHROMIUM) || { echo "install: chromium (Debian's package, for the browser tests) ..."; \
+		start=$$SECONDS; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+		echo "  done in $$((SECONDS - start)) s"; }
 
 .PHONY: lint
 lint: $(DEV_STAMP)
