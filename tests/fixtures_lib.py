@@ -162,6 +162,33 @@ def write_preference_jsonl(path: Path, n: int, seed: int, objective: str = "dpo"
     return _write_jsonl(path, make_preference_records(n, seed, objective, conversational))
 
 
+def make_prompt_records(n: int, seed: int) -> list[dict]:
+    """``n`` GRPO prompt lines ``{"prompt", "answer"}``: sums to compute, as message lists (every
+    other line) or plain strings, the answer a number (TRL's prompt-only shapes)."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        a, b = rng.randrange(10), rng.randrange(10)
+        question = f"What is {a} + {b}?"
+        prompt = [{"role": "user", "content": question}] if i % 2 == 0 else f"Question: {question}\nAnswer: "
+        records.append({"prompt": prompt, "answer": str(a + b)})
+    return records
+
+
+def write_prompt_jsonl(path: Path, n: int, seed: int) -> Path:
+    """Write ``n`` deterministic GRPO prompt lines (``make_prompt_records``) to ``path``."""
+    return _write_jsonl(path, make_prompt_records(n, seed))
+
+
+# A reward a random tiny model's completions differ on (so advantages are not all zero): the
+# share of vowels among the completion's letters.
+VOWEL_REWARD = '''
+def vowels(prompts, completions, completion_ids, **kwargs):
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ch in "aeiou" for ch in t) / max(sum(ch.isalpha() for ch in t), 1) for t in texts]
+'''
+
+
 def _write_jsonl(path: Path, records: list[dict]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

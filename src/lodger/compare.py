@@ -16,9 +16,12 @@ from .ledger import Ledger
 from .ledger.provenance import drift
 
 IGNORED_JOB_KEYS = ("name",)  # naming a run differently does not change what it computes
-# A preference run's metric fields per step (train/objective.py): compared and plotted with the loss.
+# A preference or GRPO run's metric fields per step (train/objective.py, train/grpo.py): compared
+# and plotted with the loss. GRPO's per-function rewards (`reward_<name>`, `reward_<name>_std`)
+# are found by their prefix.
 PREFERENCE_METRICS = ("reward_margin", "reward_accuracy", "rewards_chosen", "rewards_rejected", "kl", "nll",
-                      "log_odds_ratio")
+                      "log_odds_ratio", "reward", "reward_std", "frac_reward_zero_std", "completion_length",
+                      "truncated_ratio", "clip_ratio", "clip_ratio_low", "clip_ratio_high")
 
 
 def flatten(table: dict, prefix: str = "") -> dict[str, Any]:
@@ -238,7 +241,8 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5, against: Path | None =
         worst = max(shared, key=lambda t: abs(t[1] - t[2]))
         c.max_loss_diff, c.max_loss_diff_step = abs(worst[1] - worst[2]), worst[0]
     both = set(la) & set(lb)
-    c.preference_differences = [name for name in PREFERENCE_METRICS
+    named = sorted({name for series in c.preference.values() for name in series})
+    c.preference_differences = [name for name in named
                                 if _at(c.preference[a].get(name), both) != _at(c.preference[b].get(name), both)]
     wa, wb = final_weights(a), final_weights(b)
     why_not = None
@@ -249,7 +253,9 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5, against: Path | None =
 
 
 def _preference_series(rows: list[dict]) -> dict[str, list]:
-    series = {name: [(r["step"], r[name]) for r in rows if r.get(name) is not None] for name in PREFERENCE_METRICS}
+    names = set(PREFERENCE_METRICS) | {k for r in rows for k, v in r.items()
+                                       if k.startswith("reward_") and isinstance(v, (int, float))}
+    series = {name: [(r["step"], r[name]) for r in rows if r.get(name) is not None] for name in sorted(names)}
     return {name: points for name, points in series.items() if points}
 
 
@@ -379,17 +385,20 @@ def figure(c: Comparison):
 
 
 def _plot_preference(ax, c: Comparison, names: dict) -> None:
-    """Reward margin (left axis) and preference accuracy (right axis) of both runs, per step."""
+    """Reward margin (left axis) and preference accuracy (right axis) of both runs, per step; for
+    GRPO the mean reward and the share of groups whose rewards were all equal (no signal)."""
+    grpo = any("reward" in series for series in c.preference.values())
+    left, right = ("reward", "frac_reward_zero_std") if grpo else ("reward_margin", "reward_accuracy")
     accuracy = ax.twinx()
     for index, (run_id, style) in enumerate(((c.a, "-"), (c.b, "--"))):
         series = c.preference.get(run_id, {})
-        for name, axis, shade in (("reward_margin", ax, f"C{index}"), ("reward_accuracy", accuracy, f"C{index + 2}")):
+        for name, axis, shade in ((left, ax, f"C{index}"), (right, accuracy, f"C{index + 2}")):
             points = series.get(name) or []
             if points:
                 axis.plot([s for s, _ in points], [v for _, v in points], style, color=shade, linewidth=1.1,
                           label=f"{names[index][:1]} {name.replace('_', ' ')}")
-    ax.set_ylabel("reward margin")
-    accuracy.set_ylabel("preference accuracy")
+    ax.set_ylabel("mean reward" if grpo else "reward margin")
+    accuracy.set_ylabel("groups without signal" if grpo else "preference accuracy")
     accuracy.set_ylim(-0.05, 1.05)
     lines = ax.get_legend_handles_labels()[0] + accuracy.get_legend_handles_labels()[0]
     if lines:

@@ -204,6 +204,18 @@ def broadcast_int(value: int) -> int:
     return int(tensor.item())
 
 
+def sum_across(values: list[float]) -> list[float]:
+    """Each value summed over every rank (float64: counts stay exact)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

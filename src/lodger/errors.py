@@ -39,6 +39,17 @@ class RunStateError(LodgerError):
     """The run is in a state that does not allow the operation (e.g. resuming a finished run)."""
 
 
+class StepFailed(LodgerError):
+    """A training step could not be computed for a reason outside the model (a reward function
+    failed, say): the step is undone, the state of the last finished step is committed as a
+    checkpoint, and the run stops; `lodger resume` goes on from there once the cause is fixed."""
+
+
+class RewardError(StepFailed):
+    """A reward function raised, returned a non-number or the wrong number of values, or took
+    longer than its limit; the message names the function, the step and the prompt's line."""
+
+
 class LedgerError(LodgerError):
     """The ledger database cannot be opened or migrated."""
 

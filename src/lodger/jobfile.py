@@ -63,6 +63,10 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
         job.model.source = str((base_dir / source_path).resolve())
     elif job.model.revision and "@" not in job.model.source and "/" in job.model.source:
         job.model.source = f"{job.model.source}@{job.model.revision}"  # every reader of `source` sees it
+    problems = _resolve_reward_files(job, base_dir)
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}")
     if job.method.init_adapter is not None:
         from .model import apply_init_adapter
 
@@ -71,6 +75,24 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
             listed = "\n".join(f"  - {p}" for p in problems)
             raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}")
     return job
+
+
+def _resolve_reward_files(job: JobConfig, base_dir: Path) -> list[str]:
+    """[[rewards]] files made absolute (from the job file's folder); why any cannot be read. Whether
+    the function is there with the right signature is checked by loading it (rewards/, at prepare)."""
+    problems = []
+    for number, reward in enumerate(job.rewards, 1):
+        if reward.file is None:
+            continue
+        path = (base_dir / Path(reward.file).expanduser()).resolve()
+        reward.file = path
+        if not path.is_file():
+            problems.append(f"[[rewards]] #{number} file = {str(path)!r}: no such file; fix the path (relative "
+                            "paths start at the job file's folder)")
+        elif path.suffix != ".py":
+            problems.append(f"[[rewards]] #{number} file = {str(path)!r}: not a .py file; point it at the Python "
+                            "file that defines the function")
+    return problems
 
 
 def user_defaults() -> dict[str, dict[str, Any]]:

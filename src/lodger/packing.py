@@ -195,10 +195,11 @@ class Packer(PaddedPlanner):
 
 
 def padded_batch(dataset, indices: Sequence[int], pad_id: int) -> "PackedBatch":
-    """These examples right-padded, one a row (a preference example: one sequence a row, preference.py)."""
+    """These examples right-padded, one a row (a preference example: one sequence a row, preference.py;
+    GRPO's prompts: their indices, prompts.py)."""
     from .data import collate
 
-    if getattr(dataset, "preference", False):
+    if getattr(dataset, "preference", False) or getattr(dataset, "prompts", False):
         return dataset.collate([(i,) for i in indices], pad_id, packed=False)
     tensors = collate(dataset, list(indices), pad_id)
     mask = tensors["attention_mask"]

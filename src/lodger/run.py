@@ -52,7 +52,17 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
 
     objective = job.method.objective
     check, encode = None, tokenize
-    if objective != "sft":  # preference lines (preference.py): their own shape and tokenisation
+    if objective == "grpo":  # prompt lines (prompts.py); every reward function loaded once, before anything is written
+        from .prompts import check_row, tokenize_prompts
+        from .rewards import Rewards
+
+        check, encode = check_row, tokenize_prompts
+        rewards = Rewards(job.rewards, job.grpo)
+        try:
+            rewards.check()
+        finally:
+            rewards.close()
+    elif objective != "sft":  # preference lines (preference.py): their own shape and tokenisation
         check = row_checker(objective)
         encode = partial(tokenize_preference, objective=objective, kl_block=job.training.batch_size)
     train_file = read_jsonl(job.data.train, check)
@@ -77,7 +87,8 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     device = device or pick_device(job)
     # A packed row must hold a whole example: a pair is two sequences of up to max_length each.
     longest = job.data.max_length * getattr(train_set, "per_example", 1)
-    planner = make_planner(job.training, longest, sampler, lengths, job.training.packing, device)
+    packing = False if objective == "grpo" else job.training.packing  # completions are sampled per step, padded
+    planner = make_planner(job.training, longest, sampler, lengths, packing, device)
     steps = job.training.steps or planner.steps_for(job.training.epochs * len(train_indices))
     return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
                     train_indices, eval_indices, steps, device, planner)

@@ -52,8 +52,9 @@ def write_job(path: Path, *, model: str | Path, train: str | Path, eval: str | P
               keep_last: int = 2, threads: int = 1, max_length: int = 64, dropout: float = 0.1,
               eval_every: int | None = 8, rank: int = 4, alpha: float = 8.0, learning_rate: float = 5e-3,
               seed: int = 0, name: str = "e2e", eval_fraction: float | None = None,
-              extra: dict[str, dict[str, Any]] | None = None) -> Path:
-    """Write a job file; ``extra`` adds or overrides keys per section (e.g. {"training": {"x": 1}})."""
+              extra: dict[str, dict[str, Any]] | None = None, tables: dict[str, list[dict]] | None = None) -> Path:
+    """Write a job file; ``extra`` adds or overrides keys per section (e.g. {"training": {"x": 1}});
+    ``tables`` adds arrays of tables (e.g. {"rewards": [{"kind": "answer"}]} for [[rewards]])."""
     sections: dict[str, dict[str, Any]] = {
         "model": {"source": str(model)},
         "method": {"kind": "lora", "rank": rank, "alpha": alpha, "dropout": dropout},
@@ -73,6 +74,9 @@ def write_job(path: Path, *, model: str | Path, train: str | Path, eval: str | P
     lines = [f"name = {_toml(name)}"]
     for section, values in sections.items():
         lines += ["", f"[{section}]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
+    for name, items in (tables or {}).items():
+        for values in items:
+            lines += ["", f"[[{name}]]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

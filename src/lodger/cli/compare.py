@@ -45,7 +45,8 @@ def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
             click.echo(f"eval {run_id}: " + ", ".join(f"{s}:{v:.4f}" for s, v in evals))
     if any(c.preference.values()):
         names = sorted({n for series in c.preference.values() for n in series})
-        click.echo("preference metrics (" + ", ".join(names) + "): "
+        kind = "GRPO metrics" if "reward" in names else "preference metrics"
+        click.echo(f"{kind} (" + ", ".join(names) + "): "
                    + ("differ in " + ", ".join(c.preference_differences) if c.preference_differences
                       else "bitwise equal at every shared step"))
     _print_harness(c)

@@ -206,6 +206,51 @@ def _print_evals(now: dict, info: dict) -> None:
         text = preference_text(record, prefix)
         if text:
             click.echo(f"{label}  step {record['step']}: {text}")
+    for label, record, prefix in (("rewards", info["last_train"], ""), ("  at eval", info["last_eval"], "eval_")):
+        text = grpo_text(record, prefix)
+        if text:
+            click.echo(f"{label}   step {record['step']}: {text}")
+    _print_samples(info["last_eval"])
+
+
+def grpo_text(record: dict | None, prefix: str = "") -> str:
+    """A GRPO run's metric line in words (train/grpo.py's fields), '' for other objectives."""
+    if not record or record.get(prefix + "reward") is None or f"{prefix}reward_accuracy" in record:
+        return ""
+    get = record.get
+    parts = [f"mean {get(prefix + 'reward'):.4f}" + (f" (std {get(prefix + 'reward_std'):.4f})"
+                                                     if get(prefix + "reward_std") is not None else "")]
+    for key in sorted(record):
+        name = key[len(prefix) + len("reward_"):]
+        if key.startswith(prefix + "reward_") and not key.endswith("_std") and isinstance(record[key], (int, float)):
+            parts.append(f"{name} {record[key]:.4f}")
+    for key, name, form in (("frac_reward_zero_std", "groups without signal", "{:.0%}"),
+                            ("completion_length", "completion length", "{:.1f}"), ("kl", "KL", "{:.4f}"),
+                            ("clip_ratio", "clipped", "{:.1%}")):
+        if get(prefix + key) is not None:
+            parts.append(f"{name} " + form.format(get(prefix + key)))
+    return ", ".join(parts)
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (an escape sequence a completion or a data
+    line could carry) written as \\xNN, newlines and tabs kept."""
+    return "".join(ch if ch in "\n\t" or (ch.isprintable() and ord(ch) >= 32) else f"\\x{ord(ch):02x}" for ch in text)
+
+
+def _print_samples(record: dict | None) -> None:
+    """The newest eval's kept prompts with their completions and rewards (GRPO), escaped for the terminal."""
+    samples = (record or {}).get("eval_samples") or []
+    if not samples:
+        return
+    click.echo(f"samples   eval at step {record['step']} (greedy):")
+    for sample in samples:
+        rewards = ", ".join(f"{k} {'-' if v is None else f'{v:.3g}'}" for k, v in (sample.get("rewards") or {}).items())
+        total = sample.get('reward')
+        click.echo(f"  line {sample.get('line')}: reward {'-' if total is None else f'{total:.4g}'} ({rewards})")
+        for key in ("prompt", "completion"):
+            text = printable(str(sample.get(key, ""))).replace("\n", "\n      ")
+            click.echo(f"    {key}: {text}")
 
 
 def preference_text(record: dict | None, prefix: str = "") -> str:

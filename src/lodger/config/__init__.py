@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from ..errors import JobFileError
 from .base import Float, Int, Section  # noqa: F401 (the sections' vocabulary, used by other config files)
+from .grpo import GRPOConfig, RewardConfig
 from .model import DataConfig, MethodConfig, ModelConfig
 from .owner import USER_ONLY_SECTIONS, USER_SECTIONS, AgentSettings, DatasetPolicyConfig, LimitsConfig, PolicyConfig  # noqa: F401
 from .remote import FederatedConfig, FederatedPrivacyConfig, RemoteConfig  # noqa: F401
@@ -47,6 +48,10 @@ class JobConfig(Section):
     """Limits that must be declared before the job may move to remote compute (`lodger submit`)."""
     federated: FederatedConfig | None = None
     """Present: the job runs as a federated Flower app (`lodger federate`, `lodger submit --federated`)."""
+    grpo: GRPOConfig | None = None
+    """[method] objective = "grpo" only: how completions are sampled and the loss is taken (left out: the defaults)."""
+    rewards: list[RewardConfig] = Field(default_factory=list)
+    """[method] objective = "grpo" only: the reward functions, one [[rewards]] table each (at least one)."""
 
     # What each data file is (lodger.datasets.DataUse: hash, registration), found at load time.
     _data_uses: list = PrivateAttr(default_factory=list)
@@ -62,6 +67,40 @@ class JobConfig(Section):
                              "train supervised (sft) only, since each client's reference log-probabilities would "
                              "have to follow the global adapter of every round; remove [federated] or use "
                              "objective = \"sft\"")
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_parts(self) -> "JobConfig":
+        grpo = self.method.objective == "grpo"
+        if not grpo and (self.grpo is not None or self.rewards):
+            what = "[grpo]" if self.grpo is not None else "[[rewards]]"
+            raise ValueError(f'{what} is used only with [method] objective = "grpo" (this job\'s is '
+                             f'"{self.method.objective}"): remove it, or set objective = "grpo"')
+        if not grpo:
+            return self
+        if not self.rewards:
+            raise ValueError('[method] objective = "grpo" needs at least one [[rewards]] table, e.g.\n'
+                             '    [[rewards]]\n    kind = "answer"   # the last number of the completion against '
+                             'the line\'s "answer"')
+        if self.grpo is None:
+            self.grpo = GRPOConfig()
+        if self.training.packing is True:
+            raise ValueError('[training] packing = true with objective = "grpo": a GRPO step trains on completions '
+                             'it has just sampled, padded per prompt group; set packing = false (or leave it out)')
+        if self.grpo.num_iterations > 1 and self.training.world_size > 1:
+            raise ValueError("[grpo] num_iterations > 1 with [training] world_size > 1: each rank's kept completions "
+                             "would have to go into every checkpoint, which lodger does not do yet; use "
+                             "num_iterations = 1 or world_size = 1")
+        labels = [r.label() for r in self.rewards]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise ValueError(f"[[rewards]]: two rewards are named {twice[0]!r}; give each a distinct `name`")
+        for reward in self.rewards:
+            if reward.kind == "length" and reward.target is not None \
+                    and reward.target >= self.grpo.max_completion_length:
+                raise ValueError(f"[[rewards]] {reward.label()}: target = {reward.target} is not below [grpo] "
+                                 f"max_completion_length = {self.grpo.max_completion_length}, so it never penalises; "
+                                 "lower it")
         return self
 
     def resolved_dict(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ class MethodConfig(Section):
     """Dropout on the LoRA input during training (0 disables it)."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"], min_length=1)
     """Names of the linear layers that get an adapter, e.g. ["q_proj", "k_proj", "v_proj", "o_proj"]."""
-    objective: Literal["sft", "dpo", "orpo", "kto"] = "sft"
+    objective: Literal["sft", "dpo", "orpo", "kto", "grpo"] = "sft"
     """What the run learns from (docs/preference.md): `sft`, supervised fine-tuning on chats or text
     (loss on the assistant's tokens); `dpo`, Direct Preference Optimization on {"prompt", "chosen",
     "rejected"} pairs against the model as it is at step 0 (the reference); `orpo`, odds-ratio

@@ -24,7 +24,7 @@ from ..errors import RunStateError
 
 
 def declare(*, facts, model, method, optimizer, sync, progress, recorder, guard, precision, train_set,
-            eval_set) -> dict[str, "StateHolder"]:
+            eval_set, objective=None) -> dict[str, "StateHolder"]:
     """The map of what a checkpoint holds, by name: the one place it is declared. Save, restore and
     the pre-restore check all iterate it (train/checkpointer.py)."""
     state: dict[str, StateHolder] = {
@@ -32,6 +32,8 @@ def declare(*, facts, model, method, optimizer, sync, progress, recorder, guard,
         "progress": progress, "evals": Evals(recorder), "guard": GuardHolder(guard), "scaler": Scaler(precision)}
     if getattr(method, "objective", "sft") in REFERENCED:
         state["reference"] = Reference(train_set, eval_set)
+    if objective is not None and getattr(objective, "name", "") == "grpo" and objective.cfg.num_iterations > 1:
+        state["rollouts"] = Rollouts(objective, progress)
     return state
 
 
@@ -259,16 +261,20 @@ class RunFacts:
     """What the checkpoint was trained on (data, model, numerics): checked on load, not restored.
     ``drift`` holds the numerics differences found by the latest load."""
 
-    def __init__(self, run_id: str, prepared, fingerprint: dict):
+    def __init__(self, run_id: str, prepared, fingerprint: dict, reward_files: dict[str, str] | None = None):
         self.run_id, self.p, self.fingerprint = run_id, prepared, fingerprint
+        self.reward_files = reward_files or {}  # GRPO: {reward: sha256 of the owner's file}
         self.drift: list[str] = []
 
     def state_dict(self) -> dict[str, Any]:
         p = self.p
-        return {"numerics": self.fingerprint, "total_steps": p.total_steps,
-                "data": {"train_sha256": p.train_file.sha256,
-                         "eval_sha256": p.eval_file.sha256 if p.eval_file else None},
-                "model_sha256": p.source.sha256}
+        facts = {"numerics": self.fingerprint, "total_steps": p.total_steps,
+                 "data": {"train_sha256": p.train_file.sha256,
+                          "eval_sha256": p.eval_file.sha256 if p.eval_file else None},
+                 "model_sha256": p.source.sha256}
+        if self.reward_files:
+            facts["reward_files"] = self.reward_files
+        return facts
 
     def load_state_dict(self, entries: Mapping[str, Any]) -> None:
         from ..ledger import provenance as prov
@@ -284,6 +290,11 @@ class RunFacts:
             raise RunStateError(f"run {self.run_id}: the model changed since the checkpoint (recorded "
                                 f"{entries['model_sha256']}, now {p.source.sha256})")
         self.drift = prov.drift(entries["numerics"], self.fingerprint)
+        recorded = entries.get("reward_files") or {}
+        for label in sorted(set(recorded) | set(self.reward_files)):
+            if recorded.get(label) != self.reward_files.get(label):  # a fixed reward: allowed, and said
+                self.drift.append(f"reward {label}'s file changed (sha256 {str(recorded.get(label))[:12]} at the "
+                                  f"checkpoint, {str(self.reward_files.get(label))[:12]} now)")
 
     def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
         return (state_key_problems(entries, "numerics") + state_key_problems(entries, "model_sha256")
@@ -323,4 +334,57 @@ class Reference:
             shape = tuple(tables[role].shape) if role in tables else None
             if shape != (len(dataset), 2):
                 found.append(f"{self.NAME}: `{role}` has shape {shape}, the {role} set {(len(dataset), 2)}")
+        return found
+
+
+class Rollouts:
+    """GRPO with num_iterations (mu) > 1: the completions kept between two samplings (train/grpo.py),
+    with their rewards, advantages and log-probabilities at sampling time, so a resume between them
+    trains on the very completions the run sampled (``rollouts.safetensors``, hashed in the
+    manifest; where they start in state.json). A checkpoint at a multiple of mu holds none: the next
+    step samples afresh."""
+
+    NAME = "rollouts.safetensors"
+
+    def __init__(self, objective, progress):
+        self.objective, self.progress = objective, progress
+
+    def state_dict(self) -> dict[str, Any]:
+        from safetensors.torch import save as save_tensors
+
+        kept = self.objective.live_kept(self.progress.step)
+        if kept is None:
+            return {"rollouts": None}
+        tensors = {f"r{k}.{name}": t.contiguous() for k, r in enumerate(kept.rollouts) for name, t in r.tensors.items()}
+        described = [{"prompts": r.prompts, "groups": r.groups} for r in kept.rollouts]
+        return {self.NAME: save_tensors(tensors),
+                "rollouts": {"step": kept.step, "position": kept.position, "micro_batches": described}}
+
+    def load_state_dict(self, entries: Mapping[str, Any]) -> None:
+        from safetensors.torch import load as load_tensors
+
+        from .grpo import Kept
+        from .rollout import Rollout
+
+        saved = getattr(entries, "state", {}).get("rollouts")
+        if saved is None:
+            self.objective.kept = None
+            return
+        tensors = load_tensors(entries[self.NAME])
+        rollouts = []
+        for k, described in enumerate(saved["micro_batches"]):
+            prefix = f"r{k}."
+            own = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+            rollouts.append(Rollout(own, list(described["prompts"]), int(described["groups"])))
+        self.objective.kept = Kept(int(saved["step"]), int(saved["position"]), rollouts)
+
+    def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
+        mu = self.objective.cfg.num_iterations
+        if step % mu == 0:
+            return []  # the next step samples afresh: nothing kept
+        found = state_key_problems(entries, "rollouts", ("step", "position", "micro_batches")) + file_problems(
+            entries, self.NAME)
+        saved = getattr(entries, "state", {}).get("rollouts")
+        if not found and isinstance(saved, dict) and saved.get("step") != step - step % mu:
+            found.append(f"state.json `rollouts` were sampled at step {saved.get('step')!r}, not {step - step % mu}")
         return found

@@ -22,6 +22,7 @@ import torch
 
 from .. import faults
 from ..control import ReleaseRequested
+from ..errors import StepFailed
 from ..packing import padded_batch
 from ..rng import capture as capture_rng
 from ..rng import restore as restore_rng
@@ -63,6 +64,7 @@ def evaluate(st: "TrainState", step: int, recorder: "Recording", control: "Contr
     try:
         for done, start in enumerate(starts, 1):
             batch = padded_batch(st.eval_set, st.eval_indices[start:start + size], st.pad_id)
+            [batch] = st.objective.prepare(st.model, [batch], None, None)  # GRPO: greedy completions, scored
             with st.precision.autocast():
                 terms, batch_sums = st.objective.terms(st.model, batch, st.device)
             values = terms.reshape(-1).tolist()  # .tolist() syncs with the device; fine once per eval batch
@@ -81,7 +83,8 @@ def evaluate(st: "TrainState", step: int, recorder: "Recording", control: "Contr
 
 def train(st: "TrainState", *, checkpointer: "Checkpointing", recorder: "Recording", control: "Controlling",
           sync: "Synchronising") -> str:
-    """Run from ``st.progress`` to the last step; return "finished", "interrupted" or "paused"."""
+    """Run from ``st.progress`` to the last step; return "finished", "interrupted" or "paused"
+    (errors.StepFailed goes up after the last finished step's checkpoint is committed)."""
     try:
         return _train_steps(st, checkpointer, recorder, control, sync)
     except ReleaseRequested:
@@ -90,17 +93,30 @@ def train(st: "TrainState", *, checkpointer: "Checkpointing", recorder: "Recordi
         control.in_step = False
         checkpointer.save(skip_if_exists=True)
         return "paused"
+    except StepFailed:
+        # The same, then the error goes up: the cause (a reward function, say) is the owner's to
+        # fix, and `lodger resume` goes on from this checkpoint, nothing lost.
+        control.in_step = False
+        if sync.saves_alone:  # with several ranks, the others wait inside a collective: torchrun ends them
+            checkpointer.save(skip_if_exists=True)
+        raise
 
 
-def _backward(st: "TrainState", packs, weights: tuple[int, ...], control, sync):
-    """This process's micro-batches of the step, forward and backward: (summed loss of its share,
-    its metric sums or None, positions computed, of which padding, keys attended (PackedBatch.attended))."""
+def _backward(st: "TrainState", plan, control, sync):
+    """This process's micro-batches of the step, prepared (GRPO: completions sampled and scored),
+    forward and backward: (summed loss of its share, its metric sums or None, positions computed,
+    of which padding, keys attended (PackedBatch.attended), the whole step's target tokens and
+    loss normalisers (every rank's))."""
+    packs = plan.share(sync.rank, sync.world_size)
     batches = [st.planner.collate(st.train_set, pack, st.pad_id) for pack in packs]
     loss_sum = torch.zeros((), dtype=torch.float32, device=st.device)
     sums = None
     rng_at_step_start = capture_rng()  # a few KB copied; lets a release drop this step exactly
     try:
         control.in_step = True  # a release now drops this step
+        batches = st.objective.prepare(st.model, batches, st.progress.step, plan.start)
+        step_tokens = st.objective.target_tokens(st.train_set, plan.indices())
+        weights = st.objective.weights(st.train_set, plan.indices())  # the loss's normalisers, likewise
         for pack, batch in zip(packs, batches):
             sync.micro_step()
             lines = [int(st.train_set.lines[i]) for row in pack for i in row] if st.poisoned else []
@@ -109,7 +125,7 @@ def _backward(st: "TrainState", packs, weights: tuple[int, ...], control, sync):
             loss_sum += loss
             if batch_sums is not None:
                 sums = batch_sums if sums is None else sums + batch_sums
-    except ReleaseRequested:
+    except (ReleaseRequested, StepFailed):
         # Forget this step's partial work as if it never began, so the checkpoint (written by
         # train()) equals the state at the step boundary and resuming stays exact.
         st.optimizer.zero_grad(set_to_none=True)
@@ -117,15 +133,18 @@ def _backward(st: "TrainState", packs, weights: tuple[int, ...], control, sync):
         raise
     control.in_step = False
     computed = sum(b.positions for b in batches)
-    return loss_sum, sums, computed, computed - sum(b.tokens for b in batches), sum(b.attended for b in batches)
+    return (loss_sum, sums, computed, computed - sum(b.tokens for b in batches), sum(b.attended for b in batches),
+            step_tokens, weights)
 
 
 def _finish(sync, params, loss_sum, sums, last_save: float):
     """The synchroniser's end of the step (several ranks: one all-reduce), the metric sums with the loss."""
     if sums is None:
         return sync.finish_step(params, loss_sum, last_save), None
-    both = sync.finish_step(params, torch.cat([loss_sum.reshape(1), sums.to(loss_sum)]), last_save)
-    return both[0], both[1:]
+    # In the sums' dtype (GRPO's are float64: a reward's std from its sum of squares needs it), the
+    # loss going through it and back unchanged.
+    both = sync.finish_step(params, torch.cat([loss_sum.reshape(1).to(sums), sums]), last_save)
+    return both[0].to(loss_sum), both[1:]
 
 
 def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
@@ -148,10 +167,7 @@ def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
         lr = lr_at(p.step, st.total_steps, cfg) * guard.state.lr_scale
         for group in st.optimizer.param_groups:
             group["lr"] = lr
-        step_tokens = st.train_set.target_tokens(plan.indices())  # of the whole step, every rank's examples
-        weights = st.objective.weights(st.train_set, plan.indices())  # the loss's normalisers, likewise
-        loss_sum, sums, computed, padded, attended = _backward(st, plan.share(sync.rank, sync.world_size), weights,
-                                                               control, sync)
+        loss_sum, sums, computed, padded, attended, step_tokens, weights = _backward(st, plan, control, sync)
         loss_sum, sums = _finish(sync, params, loss_sum, sums, last_save)
         loss_value, norm_value, finite, overflow = optimizer_step(params, st.optimizer, st.precision, max_norm,
                                                                   loss_sum)

@@ -10,6 +10,9 @@ the loop has no objective branches.
   combine the terms summed over the held-out set with its normalisers.
 - ``metrics(sums, weights)``: the metric line's fields from the step's summed ``sums``
   (``step.micro_step`` runs a micro-batch's forward and backward through these).
+- ``prepare(model, batches, step, position)``: what the step trains on, before ``weights``: the
+  collated micro-batches as they are, or (GRPO, grpo.py) completions sampled and scored now;
+  ``target_tokens(dataset, indices)``: the step's tokens that carry loss.
 
 The preference losses follow TRL 1.16's (the anchor they are tested against,
 tests/unit/test_preference_trl.py): DPO's sigmoid loss, ORPO's odds-ratio term on per-token mean
@@ -50,6 +53,17 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], sequences: int) -> tup
     return onehot @ token, onehot.sum(1)
 
 
+def _as_collated(self, model, batches: list, step: int | None, position: int | None) -> list:
+    """``prepare``: an objective that learns from its data as it is trains on the collated batches
+    (GRPO's samples completions first, grpo.py)."""
+    return batches
+
+
+def _data_tokens(self, dataset, indices: list[int]) -> int:
+    """``target_tokens``: the step's tokens that carry loss, known from the data alone."""
+    return dataset.target_tokens(indices)
+
+
 def _tensors(batch, device: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """A batch's tensors on ``device`` (``prefix``: KTO's KL batch, the prefix dropped)."""
     tensors = getattr(batch, "tensors", batch)
@@ -61,6 +75,7 @@ class SFT:
     """Next-token cross entropy on the labelled tokens, normalised by the step's target tokens."""
 
     name, sequences = "sft", 1
+    prepare, target_tokens = _as_collated, _data_tokens
 
     def weights(self, dataset, indices: list[int]) -> tuple[int, ...]:
         return (dataset.target_tokens(indices),)
@@ -88,6 +103,7 @@ class DPO:
     """-log sigmoid(beta x (chosen log-ratio - rejected log-ratio)), the mean over the step's pairs."""
 
     name, sequences = "dpo", 2
+    prepare, target_tokens = _as_collated, _data_tokens
 
     def __init__(self, method):
         self.beta = method.beta
@@ -120,6 +136,7 @@ class ORPO:
     ratio of the pairs' per-token mean log-probabilities. No reference model."""
 
     name, sequences = "orpo", 2
+    prepare, target_tokens = _as_collated, _data_tokens
 
     def __init__(self, method):
         self.beta = method.beta
@@ -152,6 +169,7 @@ class KTO:
     mismatched pairs (no gradient, at least 0)."""
 
     name, sequences = "kto", 1
+    prepare, target_tokens = _as_collated, _data_tokens
 
     def __init__(self, method):
         self.beta, self.desirable, self.undesirable = method.beta, method.desirable_weight, method.undesirable_weight

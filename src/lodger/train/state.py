@@ -187,6 +187,37 @@ def build_recorder(run_id: str, folder: Path, ledger, control, progress: Progres
     return recorder
 
 
+def build_rewards(job, control):
+    """GRPO's reward functions (rewards/), waiting on them answering the owner's hold or release."""
+    if job.method.objective != "grpo":
+        return None
+    from ..rewards import Rewards
+
+    return Rewards(job.rewards, job.grpo, poll=control.yield_point)
+
+
+def build_objective(session: "Session"):
+    """What a step's loss is (objective.py); GRPO's with what sampling and scoring need (grpo.py):
+    for full fine-tuning with a KL term, a frozen copy of the base as the reference. With
+    num_iterations > 1 the planner repeats the sampling step's plan until the next sampling."""
+    job, prepared = session.job, session.p
+    if job.method.objective != "grpo":
+        return make_objective(job.method)
+    from .grpo import GRPO, RepeatPlanner
+
+    reference = None
+    if job.grpo.beta > 0 and job.method.kind == "full":
+        from ..model import load_base_model
+
+        reference = load_base_model(prepared.folder).eval().requires_grad_(False).to(session.device)
+    objective = GRPO(job.grpo, session.rewards, tokenizer=prepared.tokenizer, dataset=session.train_set,
+                     eval_set=session.eval_set, precision=session.precision, device=session.device, sync=session.sync,
+                     progress=session.progress, reference=reference)
+    if job.grpo.num_iterations > 1:
+        session.planner = RepeatPlanner(session.planner, objective, session.progress)
+    return objective
+
+
 class Session:
     """The live state of one process training one run, and its composition root: each component is
     made by one builder below, in the order they depend on each other. Rank 0 is the run (ledger,
@@ -222,11 +253,13 @@ class Session:
         self.progress = Progress()
         self.recorder = build_recorder(run_id, self.dir, ledger, self.control, self.progress, prepared, self.model,
                                        writes=self.sync.writes)
-        self.objective = make_objective(job.method)
-        facts = holders.RunFacts(run_id, prepared, self.fingerprint)
+        self.rewards = build_rewards(job, self.control)
+        self.objective = build_objective(self)
+        facts = holders.RunFacts(run_id, prepared, self.fingerprint, self.rewards.files() if self.rewards else None)
         state = holders.declare(facts=facts, model=self.model, method=job.method, optimizer=self.optimizer,
                                 sync=self.sync, progress=self.progress, recorder=self.recorder, guard=self.guard,
-                                precision=self.precision, train_set=self.train_set, eval_set=self.eval_set)
+                                precision=self.precision, train_set=self.train_set, eval_set=self.eval_set,
+                                objective=self.objective)
         self.checkpointer = Checkpointer(run_id, self.store, state, facts, self.sync, self.recorder, ledger,
                                          self.meter)
         self.state = TrainState(
@@ -295,6 +328,8 @@ class Session:
             from ..model import adapter_hash
 
             model["init_adapter"] = {"path": str(init_adapter), "sha256": adapter_hash(init_adapter)}
+        if self.rewards is not None:  # GRPO: each reward, and the sha256 of the owner's own files
+            data["rewards"] = self.rewards.provenance()
         return prov.capture(job=self.job.resolved_dict(), job_hash=job_hash(self.job),
                             job_dir=Path(os.getcwd()), model=model, data=data,
                             seeds={"seed": self.job.training.seed}, device=self.device,

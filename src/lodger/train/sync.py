@@ -82,6 +82,9 @@ class LocalSync:
     def gather_rng(self, make: Callable[[], dict]) -> list[dict] | None:
         return None
 
+    def sum_across(self, values: list[float]) -> list[float]:
+        return list(values)
+
     def barrier(self) -> None:
         pass
 
@@ -149,6 +152,12 @@ class DataParallelSync:
         from ..distributed import gather_rng
 
         return gather_rng(make())
+
+    def sum_across(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks (GRPO's step totals: completions and their tokens)."""
+        from ..distributed import sum_across
+
+        return sum_across(values)
 
     def barrier(self) -> None:
         from ..distributed import barrier

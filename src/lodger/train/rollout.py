@@ -1,0 +1,160 @@
+"""GRPO's rollouts: for each prompt of a micro-batch, G completions sampled from the current policy
+(batched, with a KV cache: transformers' ``generate``), scored by the reward functions, with
+advantages normalised within each prompt's group, laid out for the loss.
+
+Why these choices:
+- Sampling runs in eval mode under no_grad: no dropout noise in the policy that samples, and no
+  randomness drawn but the sampler's own (torch's global generator, whose state at the step's start
+  every checkpoint holds: a resumed step samples the very same tokens).
+- Prompts are left-padded for generation (transformers takes the position ids from the attention
+  mask); the loss's batch is laid out right-padded, one completion a row (prompt, then completion),
+  so every token sits at the position it had when it was sampled.
+- The transformer layers' yield points (step.install_yield_points) fire at every decode step, so a
+  hold, a release or `lodger serve`'s request takes effect between (and within) decode steps; a
+  release drops the step's partial rollout with the rest of the step.
+- Advantages follow TRL 1.16's `sum_then_normalize`: the weighted sum over functions (NaN where
+  every function returned None), its group mean and (Bessel-corrected) standard deviation ignoring
+  NaN, (reward - mean) / (std + 1e-4), NaN advantages set to 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..faults import fault_point
+from ..rewards.builtin import text_of
+
+
+@dataclass
+class Rollout:
+    """One micro-batch of completions, ready for the loss: ``tensors`` has ``input_ids`` and
+    ``attention_mask`` ([rows, width], right-padded), ``mask`` (1 where position j predicts a
+    completion token that counts in the loss), ``advantages`` [rows], ``rewards`` [rows, functions]
+    (NaN: does not apply), ``total`` [rows] (weighted, NaN: none applied), ``lengths`` and
+    ``truncated`` [rows]; with mu > 1 ``old_logps``, with beta > 0 ``ref_logps`` ([rows, width]).
+    ``prompts`` are the rows' dataset indices; ``texts`` the completions' text (for eval samples)."""
+
+    tensors: dict[str, torch.Tensor]
+    prompts: list[int]
+    groups: int
+    greedy: bool = False
+    texts: list[str] = field(default_factory=list)
+
+    @property
+    def target_tokens(self) -> int:
+        """Completion tokens that count in the loss."""
+        return int(self.tensors["mask"].sum())
+
+    @property
+    def rows(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    # The step line's counts (packing.PackedBatch's): the loss forward's positions are left out on
+    # purpose, so no padding share or MFU is shown: generation is most of a GRPO step and is not counted.
+    tokens = target_tokens
+    positions, attended = 0, 0
+
+
+@torch.no_grad()
+def sample(model, prompt_ids: list[list[int]], *, generation, pad_id: int, precision, device: str) -> list[list[int]]:
+    """One completion for each prompt (the list already repeats each prompt G times): the token
+    ids, cut after the first end token. ``generation``: a transformers GenerationConfig."""
+    width = max(map(len, prompt_ids))
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for r, prompt in enumerate(prompt_ids):  # left padding: every row's next token at the same column
+        ids[r, width - len(prompt):] = torch.tensor(prompt)
+        attention[r, width - len(prompt):] = 1
+    was_training = model.training
+    model.eval()
+    try:
+        with precision.autocast():
+            out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
+                                 generation_config=generation, logits_processor=[DecodeStep()])
+    finally:
+        model.train(was_training)
+    ends = set(generation.eos_token_id)
+    completions = []
+    for row in out[:, width:].tolist():
+        cut = next((k + 1 for k, token in enumerate(row) if token in ends), len(row))
+        completions.append(row[:cut])
+    return completions
+
+
+class DecodeStep:
+    """Called by ``generate`` once per decode step, the scores left as they are: the test suite's
+    fault point inside generation (faults.py: ``LODGER_FAULT=decode_step@N``)."""
+
+    def __call__(self, input_ids, scores):
+        fault_point("decode_step")
+        return scores
+
+
+def layout(prompt_ids: list[list[int]], completions: list[list[int]], pad_id: int, mask_truncated: bool,
+           limit: int, ends: set[int]) -> dict[str, torch.Tensor]:
+    """The loss's batch: each row its prompt then its completion, right-padded; ``mask`` marks the
+    positions whose next token is a completion token that counts; ``lengths``, ``truncated``."""
+    width = max(len(p) + len(c) for p, c in zip(prompt_ids, completions))
+    rows = len(completions)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, width), dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.float32)
+    truncated = torch.zeros(rows, dtype=torch.bool)
+    for r, (prompt, completion) in enumerate(zip(prompt_ids, completions)):
+        n, m = len(prompt), len(completion)
+        input_ids[r, :n + m] = torch.tensor(prompt + completion, dtype=torch.long)
+        attention[r, :n + m] = 1
+        truncated[r] = m >= limit and (not completion or completion[-1] not in ends)
+        if not (mask_truncated and truncated[r]):
+            mask[r, n - 1:n + m - 1] = 1.0  # position j predicts token j + 1
+    return {"input_ids": input_ids, "attention_mask": attention, "mask": mask,
+            "lengths": torch.tensor([len(c) for c in completions], dtype=torch.float32), "truncated": truncated}
+
+
+def nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """TRL's nanstd: the Bessel-corrected standard deviation ignoring NaN."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(values), dim=dim, keepdim=True)
+    return torch.sqrt(variance * count / (count - 1)).squeeze(dim)
+
+
+def advantages(table: torch.Tensor, weights: torch.Tensor, group: int, scale: bool) -> tuple[torch.Tensor, ...]:
+    """(total reward per completion, advantage, whether its group's rewards are all equal) from the
+    [completions, functions] table, in TRL 1.16's order of operations."""
+    unscorable = torch.isnan(table).all(dim=1)
+    total = (table * weights.unsqueeze(0)).nansum(dim=1)
+    total[unscorable] = torch.nan
+    grouped = total.view(-1, group)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group, dim=0)
+    std = nanstd(grouped, dim=1).repeat_interleave(group, dim=0)
+    advantage = total - mean
+    if scale:
+        advantage = advantage / (std + 1e-4)
+    zero_std = torch.isclose(std, torch.zeros_like(std))
+    return total, torch.nan_to_num(advantage, nan=0.0), zero_std
+
+
+def reward_inputs(dataset, indices: list[int], completions: list[list[int]], tokenizer) -> dict[str, Any]:
+    """What a reward call gets, TRL's way: the prompts as written, the completions as text (or as
+    an assistant message for conversational prompts), their ids, and every other field of the
+    prompts' lines, one entry per completion; and the lines, for errors."""
+    rows = [dataset.row(i) for i in indices]
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    shaped = [[{"role": "assistant", "content": t}] if isinstance(row["prompt"], list) else t
+              for row, t in zip(rows, texts)]
+    keys = sorted({k for row in rows for k in row if k not in ("prompt", "line")})
+    return {"prompts": [row["prompt"] for row in rows], "completions": shaped, "completion_ids": completions,
+            "fields": {k: [row.get(k) for row in rows] for k in keys}, "lines": [row["line"] for row in rows],
+            "texts": texts}
+
+
+def text_preview(value: Any, limit: int) -> str:
+    text = value if isinstance(value, str) else "\n".join(f"{m.get('role')}: {m.get('content')}" for m in value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+__all__ = ["Rollout", "sample", "layout", "advantages", "reward_inputs", "nanstd", "text_of", "text_preview"]
