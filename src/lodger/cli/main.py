@@ -64,9 +64,9 @@ def cli() -> None:
 
 def _register() -> None:
     from . import (agent, compare, control, data, demo, estimate, evaluate, export, federate, remote, remote_runs,
-                   runs, serve, train, ui)
+                   report, runs, serve, train, ui)
 
-    for module in (train, estimate, control, agent, runs, compare, evaluate, export, serve, ui, demo, data, remote,
+    for module in (train, estimate, control, agent, runs, compare, evaluate, export, report, serve, ui, demo, data, remote,
                    remote_runs, federate):
         for command in module.COMMANDS:
             cli.add_command(command)

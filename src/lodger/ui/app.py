@@ -47,7 +47,7 @@ class Settings:
 def fingerprint() -> tuple:
     """What changes when anything the page shows may have: the ledger's files, and each run's
     metrics and control state (sizes and times only: a few stats per run)."""
-    marks: list = []
+    marks: list = [views.verified_count]
     root = home()
     for name in ("ledger.db", "ledger.db-wal"):
         marks.append(_stamp(root / name))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -23,6 +24,10 @@ from ..runview import TAIL_BYTES, live_status, progress
 TIMELINE_HIDDEN = ("metrics",)  # one per checkpoint's metric rows: the curves show them
 _verified: dict[str, tuple[int, bool, str | None]] = {}  # checkpoint folder -> (manifest mtime, ok, problem)
 _jobs: dict[str, dict] = {}  # job text -> parsed
+_verifying: set[str] = set()
+_verifying_lock = threading.Lock()
+_executor = None
+verified_count = 0
 
 
 def job_of(run: dict) -> dict:
@@ -36,13 +41,13 @@ def job_of(run: dict) -> dict:
 
 
 def checkpoint_state(folder: Path) -> dict | None:
-    """The newest committed checkpoint and whether its files match its manifest (each verified
-    once per manifest: a checkpoint never changes once committed)."""
+    """The newest committed checkpoint and whether its files match its manifest: None while it is
+    being checked. Each is hashed once per manifest, by one background thread, so that a first
+    page of a hundred runs does not wait on hashing their checkpoints."""
     root = folder / "checkpoints"
     if not root.is_dir():
         return None
-    store = CheckpointStore(root)  # an existing folder: nothing is written
-    committed = store.committed()
+    committed = CheckpointStore(root).committed()  # an existing folder: nothing is written
     if not committed:
         return None
     step, path = committed[0]
@@ -52,13 +57,36 @@ def checkpoint_state(folder: Path) -> dict | None:
         stamp = -1
     cached = _verified.get(str(path))
     if cached is None or cached[0] != stamp:
-        try:
-            store.load(path)
-            cached = (stamp, True, None)
-        except CheckpointError as exc:
-            cached = (stamp, False, str(exc))
-        _verified[str(path)] = cached
+        with _verifying_lock:
+            if str(path) not in _verifying:
+                _verifying.add(str(path))
+                _verifier().submit(_verify, root, path, stamp)
+        return {"step": step, "name": path.name, "verified": None, "problem": None}
     return {"step": step, "name": path.name, "verified": cached[1], "problem": cached[2]}
+
+
+def _verifier():
+    global _executor
+    if _executor is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lodger-ui-verify")
+    return _executor
+
+
+def _verify(root: Path, path: Path, stamp: int) -> None:
+    global verified_count
+    try:
+        CheckpointStore(root).load(path)
+        result: tuple[int, bool, str | None] = (stamp, True, None)
+    except CheckpointError as exc:
+        result = (stamp, False, str(exc))
+    except OSError as exc:  # pruned meanwhile: looked at again next time
+        result = (stamp, False, f"unreadable: {exc}")
+    _verified[str(path)] = result
+    with _verifying_lock:
+        _verifying.discard(str(path))
+        verified_count += 1  # the event stream sends the table again when this moves
 
 
 def recent_steps(folder: Path, count: int = 20) -> list[dict]:

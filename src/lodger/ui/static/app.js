@@ -56,6 +56,7 @@ const fmt = {
 
 function checkpointCell(c) {
   if (!c) return el("td", {}, "-");
+  if (c.verified === null) return el("td", {}, `${c.name} checking ...`);
   return el("td", { class: c.verified ? "good" : "bad", title: c.problem || "every file matches its manifest" },
     `${c.name} ${c.verified ? "verified" : "DAMAGED"}`);
 }
@@ -113,7 +114,8 @@ async function refreshRun() {
   if (state.open !== id) return;
   const r = detail.run;
   document.getElementById("detail-title").textContent = r.id;
-  const ckpt = r.checkpoint ? `${r.checkpoint.name} (${r.checkpoint.verified ? "verified" : "DAMAGED: " + r.checkpoint.problem})` : "none";
+  const c = r.checkpoint;
+  const ckpt = c ? `${c.name} (${c.verified === null ? "checking" : c.verified ? "verified" : "DAMAGED: " + c.problem})` : "none";
   document.getElementById("detail-summary").replaceChildren(
     el("span", { class: `status status-${r.status}`, id: "detail-status" }, r.status), ` · step ${r.step}/${r.total_steps}`,
     ` · ETA ${fmt.secs(r.eta_seconds)} · held ${fmt.secs(r.held_seconds)} · last good checkpoint ${ckpt}`,
