@@ -242,6 +242,11 @@ def next_steps(run_id: str, job_path: Path) -> str:
         f"  lodger export {run_id} ./demo-export --format peft,gguf",
         "  # look at it: progress, checkpoints, the matmul rate MFU divides by, events",
         f"  lodger show {run_id}",
+        "  # or in a browser: every run live, its curves, compare, pause; open the URL it prints",
+        "  # (http://127.0.0.1:8765/login?token=...; docs/ui.md)",
+        "  lodger ui",
+        "  # its numbers in TensorBoard and MLflow (pip install 'lodger[trackers]')",
+        f"  lodger report {run_id} --to tensorboard,mlflow",
     ])
 
 
