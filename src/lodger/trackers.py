@@ -142,10 +142,10 @@ def to_mlflow(record: RunRecord, uri: str, experiment: str = "lodger") -> str:
         client.log_batch(target, params=params[:100])
         for start in range(100, len(params), 100):
             client.log_batch(target, params=params[start:start + 100])
-        client.log_dict(target, record.provenance, "provenance.json")
-    last = record.provenance[-1] if record.provenance else {}
-    tags = {"lodger.status": record.run["status"], "lodger.model_sha256": (last.get("model") or {}).get("sha256"),
-            "lodger.host": last.get("host"), "lodger.version": last.get("lodger_version")}
+        client.log_dict(target, {"segments": record.provenance}, "provenance.json")
+    newest = record.provenance[-1] if record.provenance else {}
+    tags = {"lodger.status": record.run["status"], "lodger.model_sha256": (newest.get("model") or {}).get("sha256"),
+            "lodger.host": newest.get("host"), "lodger.version": newest.get("lodger_version")}
     client.log_batch(target, tags=[RunTag(k, str(v)) for k, v in tags.items() if v is not None])
     metrics = [Metric(name, value, int(at * 1000), step) for name, pairs in points.items()
                for step, value, at in pairs if step > after]

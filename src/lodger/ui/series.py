@@ -58,8 +58,11 @@ class Series:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.offset = 0
         self.identity: tuple[int, int] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.offset = 0
         self.kinds = {"train": Column(), "eval": Column()}
 
     def refresh(self) -> bool:
@@ -69,7 +72,7 @@ class Series:
         except OSError:
             return False
         if (stat.st_dev, stat.st_ino) != self.identity or stat.st_size < self.offset:
-            self.__init__(self.path)  # a new or shortened file: start again
+            self._reset()  # a new or shortened file: start again
             self.identity = (stat.st_dev, stat.st_ino)
         if stat.st_size == self.offset:
             return False
