@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ["tests/e2e/test_faults_disk.py", "tests/e2e/test_faults_files.py", "tests/e2e/test_faults_kill.py",
          "tests/e2e/test_faults_race.py", "tests/e2e/test_faults_serve.py", "tests/e2e/test_faults_forgery.py",
+         "tests/e2e/test_power_cut.py",
          "tests/unit/test_faults_enospc.py", "tests/unit/test_faults_links.py", "tests/unit/test_faults_federated.py"]
 PLANNED = ["tests/e2e/test_resume_exact.py", "tests/e2e/test_ledger_recovery.py", "tests/e2e/test_signal_safety.py",
            "tests/e2e/test_chain.py", "tests/unit/test_power_loss.py", "tests/unit/test_faults.py",
