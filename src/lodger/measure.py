@@ -212,16 +212,24 @@ def measure_child() -> None:
                  "labels": torch.where(positions == 0, torch.tensor(-100), ids)}
     # The CPU estimate: bf16 autocast stands in for every half precision (fp16 needs a GPU).
     precision = Precision("fp32" if cfg.precision == "fp32" else "bf16", "cpu")
-    objective = make_objective(job.method)
+    if job.method.objective == "grpo":  # completions sampled, scored and trained on, as a run does
+        objective, prompts = _grpo_objective(job, model, tokenizer, precision, seq, generator)
+    else:
+        objective = make_objective(job.method)
     weights = (max(int((batch["labels"] != -100).sum()) * cfg.grad_accum, 1),)
-    if objective.name != "sft":  # pairs (or KTO lines) laid out by the training collate itself
+    if objective.name in ("dpo", "orpo", "kto"):  # pairs (or KTO lines) laid out by the training collate itself
         batch, weights = _preference_batch(job, objective, len(tokenizer), seq, bool(spec.get("packed")), generator)
     model.train()
     step_peaks, step_seconds = [], []
-    for _ in range(spec["steps"]):  # the loop's own step functions (train/step.py)
+    for step in range(spec["steps"]):  # the loop's own step functions (train/step.py)
         started = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float32)
-        for _ in range(cfg.grad_accum):
+        if objective.name == "grpo":
+            rollouts = objective.prepare(model, prompts, step, 0)
+            weights = objective.weights(None, [])
+        for k in range(cfg.grad_accum):
+            if objective.name == "grpo":
+                batch = rollouts[k]
             loss_sum += micro_step(objective, model, batch, precision, "cpu", weights)[0]
         optimizer_step(params, optimizer, precision, cfg.max_grad_norm or math.inf, loss_sum)
         step_seconds.append(time.perf_counter() - started)
@@ -241,6 +249,42 @@ def measure_child() -> None:
     print("MEASURED " + json.dumps({"peak_bytes": _proc_status("VmHWM"), "import_bytes": import_bytes,
                                     "step_peaks": step_peaks, "step_seconds": step_seconds,
                                     "phases": phases}), flush=True)
+
+
+def _grpo_objective(job: "JobConfig", model, tokenizer, precision, seq: int, generator):
+    """GRPO's objective on ``grad_accum`` micro-batches of ``batch_size`` synthetic ``seq``-token
+    prompts, every completion sampled to max_completion_length (the widest a step gets), rewards
+    drawn at random (the reward host's memory is its own process's)."""
+    import torch
+
+    from .prompts import PromptBatch, PromptSet
+    from .train.grpo import GRPO
+
+    cfg, grpo = job.training, job.grpo
+    n = cfg.batch_size * cfg.grad_accum
+    ids = torch.randint(3, len(tokenizer), (n, seq), generator=generator)
+    rows = [{"prompt": "x", "line": k + 1} for k in range(n)]
+    prompts = PromptSet({"ids": ids.reshape(-1), "offsets": torch.arange(0, n * seq + 1, seq), "lines": torch.arange(n)},
+                        rows)
+
+    class Rewards:  # stands in for the reward host: one random reward per completion
+        labels, weights = ["random"], [1.0]
+
+        def score(self, prompts, completions, *rest, **keys):
+            return torch.rand(len(completions), 1, generator=generator).tolist()
+
+    sync = type("Sync", (), {"sum_across": staticmethod(lambda values: values)})()
+    progress = type("Progress", (), {"step": 0})()
+    reference = None
+    if grpo.beta > 0 and job.method.kind == "full":
+        import copy
+
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    objective = GRPO(grpo, Rewards(), tokenizer=tokenizer, dataset=prompts, eval_set=None, precision=precision,
+                     device="cpu", sync=sync, progress=progress, reference=reference)
+    objective.sampling.min_new_tokens = grpo.max_completion_length  # every completion as long as it may be
+    batches = [PromptBatch(list(range(m * cfg.batch_size, (m + 1) * cfg.batch_size))) for m in range(cfg.grad_accum)]
+    return objective, batches
 
 
 def _preference_batch(job: "JobConfig", objective, vocab: int, seq: int, packed: bool, generator):

@@ -89,6 +89,9 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     seq = int(seq_len or job.data.max_length)
     # A preference micro-batch holds two sequences per pair (KTO one, its KL forward keeping nothing)
     batch = cfg.batch_size * sequences_per_example(method)
+    grpo = job.grpo if method.objective == "grpo" else None
+    if grpo is not None:  # G completions of each prompt, each as long as it may get: the widest step
+        batch, seq = cfg.batch_size * grpo.num_generations, seq + grpo.max_completion_length
     tokens = batch * seq
     precision = mode(cfg.precision)
     half = precision.autocast
@@ -132,6 +135,13 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     # DPO/KTO's reference: two fp32 log-probabilities per example, kept by every process. Its pass
     # (before step 1, no gradients) peaks below a training step and needs no copy of the weights.
     reference = {"reference": 2 * 4 * (examples or 0)} if method.objective in ("dpo", "kto") else {}
+    if grpo is not None:
+        sampling, kept = grpo_items(shape, job, batch, seq, precision)
+        reference = {"generation": sampling, "rollouts": kept}
+        if method.kind == "full" and grpo.beta > 0:  # the KL term's reference: a frozen copy of the base
+            reference["reference_model"] = MASTER_BYTES * total
+        # Sampling ends before the loss's forward begins: the larger of the two is the step's peak.
+        overlap += min(sampling, activations + loss)
     items = {"runtime": runtime, "weights": weights, "gradients": gradients, "optimizer": optimizer,
              "activations": activations, "logits_and_loss": loss, "checkpoint": checkpoint,
              "buffers": buffers, "allocator": allocator, **reference}
@@ -149,6 +159,19 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
         est.flops_per_step, est.step_seconds, est.job_seconds = estimate_time(
             job, model_config, flops_per_second, seq_len=mean_width or seq, total_steps=total_steps)
     return est
+
+
+def grpo_items(shape: Shape, job: "JobConfig", rows: int, seq: int, precision) -> tuple[float, float]:
+    """(sampling, kept rollouts) in bytes for GRPO micro-batches of ``rows`` completions ``seq``
+    positions wide (prompt and completion). Sampling: the KV cache (keys and values of every
+    layer, in the compute dtype) and one decode step's logits, their processed copy and the
+    sampling probabilities. Kept: each micro-batch's laid-out rows (ids and attention as int64,
+    the loss mask, the log-probabilities at sampling time and under the reference, fp32) for the
+    whole step, and with num_iterations > 1 until the next sampling."""
+    kv = 2 * shape.layers * shape.kv_dim * rows * seq * precision.value_bytes
+    decode = 3 * rows * shape.vocab * 4
+    per_position = 8 + 8 + 4 + (4 if job.grpo.num_iterations > 1 else 0) + (4 if job.grpo.beta > 0 else 0)
+    return kv + decode, per_position * rows * seq * job.training.grad_accum
 
 
 def sequences_per_example(method) -> int:

@@ -196,4 +196,14 @@ def step_flops(job: "JobConfig", model_config: dict, *, seq_len: float | None = 
     rows = cfg.batch_size * (2 if objective in ("dpo", "orpo") else 1)  # a pair is two sequences
     if objective == "kto":  # the KL sequences' forward pass, without gradients: a third (full) or half (LoRA)
         per_token += model / (3 if method.kind == "full" else 2)
+    if objective == "grpo":
+        # G completions per prompt, each position sampled with one forward pass (the KV cache keeps the
+        # rest), then the loss's forward and backward over prompt and completion, and a forward pass
+        # more for the log-probabilities at sampling time (mu > 1) and under the reference (beta > 0):
+        # a forward pass is a third (full) or half (LoRA) of the step's model FLOPs.
+        grpo = job.grpo
+        rows, seq = cfg.batch_size * grpo.num_generations, seq + grpo.max_completion_length
+        forward = model / (3 if method.kind == "full" else 2)
+        passes = 1 + (grpo.num_iterations > 1) + (grpo.beta > 0)
+        per_token += forward * passes / grpo.num_iterations  # sampled once every num_iterations steps
     return cfg.grad_accum * rows * seq * per_token

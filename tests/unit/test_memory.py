@@ -73,6 +73,25 @@ def test_a_preference_estimate_is_within_10_percent_of_its_measured_peak(objecti
     assert 0.9 <= est.total_bytes / peak <= 1.1, f"{objective}: estimate / measured {est.total_bytes / peak:.3f}"
 
 
+def test_a_grpo_estimate_is_within_10_percent_of_its_measured_peak(wide_model_dir: Path, lodger_home: Path) -> None:
+    """G completions per prompt sampled to their full length (the KV cache), then the loss over
+    prompt and completion, with the log-probabilities kept (mu = 2) and a reference pass (beta > 0):
+    measure.py runs GRPO's own objective on synthetic prompts."""
+    config = json.loads((wide_model_dir / "config.json").read_text())
+    job = JobConfig.model_validate({
+        "model": {"source": str(wide_model_dir)}, "method": {"objective": "grpo"},
+        "data": {"train": "t.jsonl", "max_length": 32}, "training": {"steps": 2, "batch_size": 2, "threads": 2},
+        "grpo": {"num_generations": 8, "max_completion_length": 128, "beta": 0.04, "num_iterations": 2},
+        "rewards": [{"kind": "answer"}]})
+    runtime = memory.runtime_bytes(threads=2, use_current=False)
+    peak = memory.measure(job, wide_model_dir, seq_len=32, steps=2).peak_bytes
+    est = memory.estimate(job, config, runtime_bytes=runtime, seq_len=32)
+    shape = memory.model_shape(config)
+    assert est.items["generation"] >= 2 * shape.layers * shape.kv_dim * 16 * 160 * 4  # the KV cache of 16 rows
+    assert est.items["rollouts"] > 0 and est.seq_len == 32 + 128
+    assert 0.9 <= est.total_bytes / peak <= 1.1, f"estimate / measured {est.total_bytes / peak:.3f}"
+
+
 def test_parameter_counts_match_the_loaded_model(tiny_model_dir: Path) -> None:
     from lodger.model import attach_method, load_base_model
 

@@ -22,6 +22,9 @@ _NOTES = {
     "buffers": "tokenizer, attention mask, kernels' scratch",
     "allocator": "memory the allocator keeps after freeing it",
     "autocast_copies": "{precision} copy of every linear weight",
+    "generation": "GRPO sampling: the KV cache of {batch} ({seq} positions), decode logits",
+    "rollouts": "GRPO: the step's completions laid out, with their kept log-probabilities",
+    "reference_model": "GRPO's KL reference for full fine-tuning: a frozen fp32 copy of the base",
 }
 
 
@@ -151,8 +154,7 @@ def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fi
     console = Console(highlight=False)
     shape = memory.model_shape(model_config)
     values = {"total": _count(est.total_params), "trainable": _count(est.trainable_params),
-              "batch": est.batch_size if memory.sequences_per_example(cfg.method) == 1 else
-              f"{est.batch_size} pairs ({2 * est.batch_size} sequences)", "seq": est.seq_len, "vocab": f"{shape.vocab:,}",
+              "batch": _batch_text(cfg, est), "seq": est.seq_len, "vocab": f"{shape.vocab:,}",
               "precision": cfg.training.precision,
               "checkpointing": "checkpointed, " if cfg.training.gradient_checkpointing else ""}
     table = Table(title=f"{path}: peak memory on {est.device} ({cfg.method.kind}, {cfg.training.precision})",
@@ -185,6 +187,16 @@ def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fi
         console.print(f"measured: peak resident {measured.peak_bytes / GiB:.2f} GiB over "
                       f"{len(measured.step_seconds)} steps ({per_step:.1f} s/step); "
                       f"estimate / measured = {ratio:.2f}")
+
+
+def _batch_text(cfg, est) -> str:
+    from .. import memory
+
+    if cfg.method.objective == "grpo":
+        return f"{est.batch_size} prompts x {cfg.grpo.num_generations} completions"
+    if memory.sequences_per_example(cfg.method) == 1:
+        return str(est.batch_size)
+    return f"{est.batch_size} pairs ({2 * est.batch_size} sequences)"
 
 
 COMMANDS = [estimate]
