@@ -114,9 +114,7 @@ class CheckpointStore:
         self.world_size = world_size
         if not self.root.is_dir():
             # The folder's own name must be durable too, or every checkpoint in it can vanish with it.
-            self.root.parent.mkdir(parents=True, exist_ok=True)
-            durable.mkdir(self.root)
-            durable.fsync_dir(self.root.parent)
+            durable.make_dirs(self.root)
 
     # -- finding ---------------------------------------------------------------------------
     def committed(self) -> list[tuple[int, Path]]:

@@ -49,8 +49,7 @@ def write_request(run_folder: Path, requester: str, state: str, reason: str, **m
     """Ask a run to hold, release or run (``state``); the strongest request of all requesters wins."""
     if requester not in REQUESTERS or state not in STRENGTH:
         raise ValueError(f"bad control request {requester}/{state}")
-    folder = control_dir(run_folder)
-    folder.mkdir(exist_ok=True)
+    folder = durable.make_dirs(control_dir(run_folder))
     body = {"state": state, "by": requester, "reason": reason, "time": time.time(), **measured}
     if requester in LAPSING:
         body["pid"], body["start"] = os.getpid(), process_start(os.getpid())
@@ -58,7 +57,7 @@ def write_request(run_folder: Path, requester: str, state: str, reason: str, **m
 
 
 def clear_request(run_folder: Path, requester: str) -> None:
-    (control_dir(run_folder) / f"{requester}.json").unlink(missing_ok=True)
+    durable.remove(control_dir(run_folder) / f"{requester}.json")  # a cut must not bring a lifted hold back
 
 
 def read_requests(run_folder: Path) -> dict[str, dict]:
@@ -298,10 +297,7 @@ class Control:
             return
         body = {"state": state, "pid": os.getpid(), "step": self.step, "time": time.time(),
                 "by": (request or {}).get("by"), "reason": (request or {}).get("reason")}
-        control_dir(self.folder).mkdir(exist_ok=True)
-        tmp = control_dir(self.folder) / f".state-{os.getpid()}"
-        tmp.write_text(json.dumps(body))  # a status note, not state: atomic is enough, no fsync needed
-        os.replace(tmp, control_dir(self.folder) / "state.json")
+        durable.atomic_write(durable.make_dirs(control_dir(self.folder)) / "state.json", json.dumps(body).encode())
 
     def _on_usr1(self, signum, frame) -> None:
         self.wake()

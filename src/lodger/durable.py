@@ -1,7 +1,12 @@
 """The only place that writes files durably.
 
 Every write that must survive a power cut goes through here: write, fsync the file, rename,
-fsync the folder. Two test hooks live here too:
+fsync the folder. A name (a file or folder made, renamed or removed) is durable only once its
+folder is fsynced, so every helper that makes or removes one fsyncs the folder before it returns:
+``make_dirs``, ``open_created`` (and ``open_file``, ``open_append``, which fsync the folder once,
+when they made the file, not at every append), ``remove``, ``atomic_write``, ``write_folder``.
+tests/e2e/test_power_cut.py checks that at every moment a power cut can strike. Two test hooks live
+here too:
 
 - Fault points: ``fault_point(name)`` (from faults.py, where test-only fault injection lives) kills
   the process at once with SIGKILL when ``LODGER_FAULT`` names it (``name`` or ``name@N``).
@@ -103,12 +108,46 @@ def file_kind(path: Path) -> str | None:
     return "not a regular file"
 
 
-def open_append(path: Path):
-    """Open text file ``path`` for appending, line-buffered (created owner-only), refusing to follow a
-    symbolic link: a link planted in a run folder (log.txt -> ~/.bashrc) must not make lodger write
-    where it points."""
+def open_created(path: Path, flags: int, mode: int = 0o600) -> int:
+    """``os.open(path, flags | O_CREAT)``; when this call made the file, its name is made durable (the
+    folder fsynced) before it returns, so a power cut cannot take the file away once it is in use.
+
+    The usual case (the file exists) costs one open; a new file one open more and one folder fsync."""
+    path = Path(path)
+    plain = flags & ~(os.O_CREAT | os.O_EXCL)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return os.open(path, plain)
+    except FileNotFoundError:
+        pass
+    try:
+        fd = os.open(path, plain | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:  # made by another process meanwhile: its name is made durable here all the same
+        fd = os.open(path, plain)
+    try:
+        _record("create", path)
+        fsync_dir(path.parent)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_FILE_MODES = {"a": os.O_WRONLY | os.O_APPEND, "a+": os.O_RDWR | os.O_APPEND, "r+": os.O_RDWR}
+
+
+def open_file(path: Path, mode: str = "a", **kwargs):
+    """A file object for ``path`` opened in ``mode`` ("a", "a+", "r+", with "b" for bytes), the file
+    made (owner-only) when missing, with its name durable (``open_created``): logs and lock files."""
+    fd = open_created(path, _FILE_MODES[mode.replace("b", "")] | os.O_CLOEXEC)
+    return os.fdopen(fd, mode, **kwargs)
+
+
+def open_append(path: Path):
+    """Open text file ``path`` for appending, line-buffered (created owner-only, its name durable),
+    refusing to follow a symbolic link: a link planted in a run folder (log.txt -> ~/.bashrc) must not
+    make lodger write where it points."""
+    try:
+        fd = open_created(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise LodgerError(f"{path} is a symbolic link (to {os.readlink(path)}); lodger does not write through "
@@ -140,9 +179,57 @@ def fsync_file(path: Path) -> None:
 
 
 def mkdir(path: Path) -> None:
-    """Create a folder; durable only once its parent is fsynced."""
+    """Create a folder; durable only once its parent is fsynced (``make_dirs`` does both)."""
     path.mkdir(mode=0o700)  # owner-only, like everything lodger keeps (see home.py)
     _record("mkdir", path)
+
+
+def make_dirs(path: Path) -> Path:
+    """``path`` as a folder, made owner-only with its missing parents; the name of each folder made
+    here is durable (its parent fsynced) before this returns. A folder that exists already is taken
+    as durable: it was made by this function, or has outlived the cut that could have taken it."""
+    path = Path(path)
+    missing = []
+    folder = path
+    while not folder.is_dir():
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+        _record("mkdir", folder)
+        fsync_dir(folder.parent)  # made by another process meanwhile, maybe: fsynced here all the same
+    return path
+
+
+def remove(path: Path) -> bool:
+    """Delete file ``path``, the deletion durable (the folder fsynced) before this returns; False
+    when there was nothing to delete."""
+    path = Path(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    _record("unlink", path)
+    fsync_dir(path.parent)
+    return True
+
+
+def sync_tree(folder: Path) -> None:
+    """Every file and folder under ``folder`` (written by a library that does not fsync: a model
+    writer, a GGUF converter) made durable, before one rename makes the folder visible."""
+    folder = Path(folder)
+    for path in sorted(folder.rglob("*"), reverse=True):
+        if path.is_symlink():
+            continue
+        if path.is_file():
+            fsync_file(path)
+        else:
+            fsync_dir(path)
+    fsync_dir(folder)
 
 
 def write_file(path: Path, data, observe=None) -> None:

@@ -12,6 +12,8 @@ import stat
 import sys
 from pathlib import Path
 
+from . import durable
+
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
 _private: set[Path] = set()  # homes this process has already checked
@@ -58,14 +60,9 @@ def tighten(root: Path) -> int:
 
 
 def private_mkdir(path: Path) -> Path:
-    """``path`` as an owner-only folder; missing parents are made owner-only too."""
-    missing = []
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
-    for folder in reversed(missing):
-        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
-    return missing[0] if missing else path
+    """``path`` as an owner-only folder; missing parents are made owner-only too, and the name of each
+    folder made is durable before this returns (durable.make_dirs)."""
+    return durable.make_dirs(path)
 
 
 def runs_dir() -> Path:

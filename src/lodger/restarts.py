@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import durable
 from .runlock import flock_held
 
 RESTARTABLE = ("created", "running", "held", "interrupted", "failed")
@@ -34,7 +35,7 @@ _held: list = []  # open files whose shared locks this process keeps until it ex
 
 def mark_starting(folder: Path) -> None:
     """Say, until this process exits, that it is bringing the run in ``folder`` up."""
-    fh = open(Path(folder) / "starting", "a+")
+    fh = durable.open_file(Path(folder) / "starting", "a+")
     fcntl.flock(fh, fcntl.LOCK_SH)
     _held.append(fh)
 

@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+from . import durable
 from .errors import RunStateError
 
 LOCK = "lock"
@@ -26,7 +27,7 @@ class RunLock:
     """An exclusive lock on a run folder, held while a process trains it; the kernel drops it on death."""
 
     def __init__(self, folder: Path):
-        fd = os.open(Path(folder) / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = durable.open_created(Path(folder) / LOCK, os.O_RDWR)
         self.fh = os.fdopen(fd, "r+")
         if not _take(fd):
             self.fh.close()

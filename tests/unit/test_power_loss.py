@@ -113,7 +113,7 @@ class PowerLossRecorder:
         elif op == "fsync_dir":
             folder = self._folder(parts)
             folder.durable = dict(folder.live)
-        elif op == "rmtree":
+        elif op in ("rmtree", "unlink"):
             gone = parent.live.pop(name, None)
             stack = [gone] if gone is not None else []
             while stack:  # unlinked, but only the folders' fsyncs would make that durable
