@@ -142,3 +142,52 @@ def test_the_first_page_of_100_runs_and_a_million_points_answers_in_under_a_seco
     assert found["heavy"] == [], "the page's server imported a heavy library"
     assert found["cpu"] < 1.0, f"the first page took {found['cpu']:.2f} s of CPU with 100 runs"
     assert found["series_points"] <= 4 * 800 + 2
+
+
+def test_the_queue_buttons_reorder_through_the_ledger_and_the_chat_box_asks_lodger_serve(lodger_home, tmp_path):
+    import http.server
+    import threading
+
+    from starlette.testclient import TestClient
+
+    from lodger.ledger import Ledger
+    from lodger.ui.app import Settings, build
+
+    seen: list[dict] = []
+
+    class Serve(http.server.BaseHTTPRequestHandler):  # what `lodger serve` answers, reduced to one reply
+        def do_POST(self):
+            seen.append({"auth": self.headers["Authorization"],
+                         "body": json.loads(self.rfile.read(int(self.headers["Content-Length"])))})
+            body = json.dumps({"model": "r1", "system_fingerprint": "r1@step-00000004",
+                               "choices": [{"message": {"role": "assistant", "content": "<b>hi</b>"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    serve = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Serve)
+    threading.Thread(target=serve.serve_forever, daemon=True).start()
+    with Ledger() as ledger:
+        first = ledger.enqueue("a", "/a.toml", "name = 'a'\n", 0)
+        second = ledger.enqueue("b", "/b.toml", "name = 'b'\n", 0)
+    keys = Keys.make("tok", "127.0.0.1", 80)
+    client = TestClient(build(Settings(keys, serve_url=f"http://127.0.0.1:{serve.server_address[1]}")),
+                        base_url="http://127.0.0.1")
+    client.cookies.set("lodger_ui", keys.session)
+    try:
+        assert client.post(f"/api/queue/{second}/priority", json={"priority": 1}).status_code == 403, "no CSRF token"
+        moved = client.post(f"/api/queue/{second}/priority", json={"priority": 1}, headers={"X-Lodger-CSRF": keys.csrf})
+        assert moved.status_code == 200, moved.text
+        with Ledger() as ledger:
+            assert [e["id"] for e in ledger.queue()] == [second, first]
+            assert ledger.audit_records() == []
+        answer = client.post("/api/chat", json={"run": "r1", "messages": [{"role": "user", "content": "hello"}]},
+                             headers={"X-Lodger-CSRF": keys.csrf})
+        assert answer.json() == {"content": "<b>hi</b>", "model": "r1", "fingerprint": "r1@step-00000004"}
+        assert seen[0]["auth"] == "Bearer tok" and seen[0]["body"]["model"] == "r1"
+    finally:
+        serve.shutdown()
