@@ -21,6 +21,7 @@ import tomllib
 import traceback
 from pathlib import Path
 
+from . import durable
 from .control import ask, clear_request, read_requests
 from .home import home, run_dir
 from .ledger import Ledger
@@ -47,16 +48,14 @@ def queued_run_id(name: str) -> str:
 
 
 def queue_log(queue_id: int) -> Path:
-    folder = home() / "queue"
-    folder.mkdir(exist_ok=True)
-    return folder / f"{queue_id}.out"
+    return durable.make_dirs(home() / "queue") / f"{queue_id}.out"
 
 
 class StarterLock:
     """Held by the `_start-queued` process until its run exists: while held, the entry is not lost."""
 
     def __init__(self, queue_id: int):
-        self.fh = open(queue_log(queue_id).with_suffix(".lock"), "a+")
+        self.fh = durable.open_file(queue_log(queue_id).with_suffix(".lock"), "a+")
         fcntl.flock(self.fh, fcntl.LOCK_EX)
 
     def release(self) -> None:
@@ -81,7 +80,7 @@ ERROR_REMINDER_SECONDS = 600.0
 
 def _append_log(path: Path, text: str) -> None:
     try:
-        with open(path, "a", encoding="utf-8") as fh:
+        with durable.open_file(path, "a", encoding="utf-8") as fh:
             fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}\n")
     except OSError:
         pass  # the log is a help, not a reason to stop
@@ -92,7 +91,7 @@ def agent_pid() -> int | None:
     path = agent_lock_path()
     if not path.exists():
         return None
-    with open(path, "a+") as fh:
+    with durable.open_file(path, "a+") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return None
@@ -104,7 +103,7 @@ def agent_pid() -> int | None:
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen:
     """A detached lodger process (its own session, output to ``log``)."""
-    out = open(log, "ab")
+    out = durable.open_file(log, "ab")
     try:
         return subprocess.Popen([sys.executable, "-m", "lodger.cli.main", *args], stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
@@ -283,7 +282,7 @@ class Agent:
     def _refuse(self, entry: dict, problem: str) -> None:
         if self.ledger.queue_move(entry["id"], "queue_refused", ("queued",), reason=problem):
             message = f"agent: refused queued job #{entry['id']} ({entry['name']}): {problem}\n"
-            with open(queue_log(entry["id"]), "a", encoding="utf-8") as fh:
+            with durable.open_file(queue_log(entry["id"]), "a", encoding="utf-8") as fh:
                 fh.write(message)
             sys.stderr.write(message)  # the agent's own output is its log
 
@@ -366,7 +365,7 @@ class AgentLock:
     """Only one agent per $LODGER_HOME."""
 
     def __init__(self):
-        self.fh = open(agent_lock_path(), "a+")
+        self.fh = durable.open_file(agent_lock_path(), "a+")
         try:
             fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -210,7 +210,7 @@ def tokenize(data: DataFile, tokenizer, tokenizer_sha: str, max_length: int) -> 
             t = load_file(str(cached))
             return TokenizedSet(t["ids"], t["mask"], t["offsets"], t["lines"])
         except Exception:  # a damaged cache is rebuilt, never trusted
-            cached.unlink(missing_ok=True)
+            cached.unlink(missing_ok=True)  # a cache entry, rewritten durably below: its removal need not last
     # Typed arrays, not lists: 9 bytes a token instead of the ~70 a list of Python ints takes (a
     # million short lines peaked at 1.1 GiB with lists).
     all_ids, all_mask, offsets = array("q"), array("B"), array("q", [0])

@@ -101,7 +101,10 @@ def task_manager(names: list[str], include: list[Path], builtin: bool | None = N
 @contextlib.contextmanager
 def quiet(log: Path | None):
     """lm-eval's and datasets' own output (progress bars, warnings) to ``log``, not the terminal."""
-    with open(log or os.devnull, "a", encoding="utf-8") as out, contextlib.redirect_stderr(out):
+    from . import durable
+
+    out = durable.open_file(log, "a", encoding="utf-8") if log else open(os.devnull, "a", encoding="utf-8")
+    with out, contextlib.redirect_stderr(out):
         yield
 
 

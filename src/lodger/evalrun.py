@@ -313,6 +313,4 @@ def _keep_results(run_id: str, subject: Subject, key: str, results: dict) -> Non
 
 
 def _harness_dir(run_id: str) -> Path:
-    folder = run_dir(run_id) / "harness"
-    folder.mkdir(exist_ok=True)
-    return folder
+    return durable.make_dirs(run_dir(run_id) / "harness")

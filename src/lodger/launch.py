@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from . import durable
 from .control import run_state
 from .errors import LodgerError
 from .home import run_dir
@@ -33,7 +34,7 @@ def start(run_id: str, prepared, *, resuming: bool, quiet: bool = False, taken=N
 def spawn_worker(run_id: str, *, fresh: bool, extra: list[str] | None = None) -> subprocess.Popen:
     """A new session (survives the terminal closing) that trains ``run_id``; output to worker.out."""
     folder = run_dir(run_id)
-    log = open(folder / "worker.out", "ab")
+    log = durable.open_file(folder / "worker.out", "ab")
     command = [sys.executable, "-m", "lodger.cli.main", "_worker", run_id] + (["--fresh"] if fresh else [])
     command += list(extra or [])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

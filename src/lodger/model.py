@@ -210,8 +210,9 @@ def _materialise_gguf(source: ModelSource) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(parent, gguf_file=name)
     tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # a temporary a killed conversion left: nothing reads it
+    durable.make_dirs(tmp.parent)
+    tmp.mkdir()
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
@@ -223,8 +224,13 @@ def _materialise_gguf(source: ModelSource) -> Path:
         state.pop("lm_head.weight", None)  # tied to the embedding; from_pretrained re-ties it
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "lodger-cache.json").write_text(json.dumps({"source": str(source.path), "sha256": source.sha256}))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(tmp, folder)
+    # The marker above is all a later run checks before loading these weights: every byte must be on
+    # disk before the folder's name is (a cut could otherwise leave the marker beside zeroed weights).
+    durable.sync_tree(tmp)
+    if folder.exists():
+        durable.remove_tree(folder)
+    durable.rename(tmp, folder)
+    durable.fsync_dir(folder.parent)
     return folder
 
 

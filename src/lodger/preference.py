@@ -184,7 +184,7 @@ def tokenize_preference(data: DataFile, tokenizer, tokenizer_sha: str, max_lengt
         try:
             return PreferenceSet.from_tensors(objective, load_file(str(cached)))
         except Exception:  # a damaged cache is rebuilt, never trusted
-            cached.unlink(missing_ok=True)
+            cached.unlink(missing_ok=True)  # a cache entry, rewritten durably below: its removal need not last
     sequences, kl = _encode_file(data, tokenizer, max_length, objective, block)
     tensors = flatten(sequences)
     tensors["lines"] = torch.tensor([r["line"] for r in data.rows], dtype=torch.int64)

@@ -153,6 +153,7 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
     so the agent does not requeue it meanwhile. RUN_ID, the id the agent chose, guards against a
     starter that outlived a requeue starting the job a second time."""
     from ..agent import StarterLock
+    from .. import durable
     from ..durable import atomic_write
     from ..home import home
     from ..ledger import Ledger
@@ -173,7 +174,7 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
             ledger.queue_move(queue_id, "queue_refused", ("starting",), reason=problem)
             raise LodgerError(f"queued job #{queue_id} refused: {problem}")
         snapshot = home() / "queue" / f"{queue_id}.toml"
-        snapshot.parent.mkdir(exist_ok=True)
+        durable.make_dirs(snapshot.parent)
         atomic_write(snapshot, entry["job_toml"].encode())
         try:
             run_id, prepared = create_run(snapshot, name=entry["name"], managed=True, run_id=entry["run_id"])

@@ -44,14 +44,14 @@ def reader_left(exc: Exception) -> bool:
 
 def _logs_dir() -> Path:
     """$LODGER_HOME/logs (0700); when the home itself is unusable, a private folder in the temp dir."""
+    from .. import durable
+
     try:
         from ..home import home
 
-        folder = home() / "logs"
-        folder.mkdir(mode=0o700, exist_ok=True)
+        folder = durable.make_dirs(home() / "logs")
     except Exception:  # the home may be the very thing that is broken (a file, unwritable)
-        folder = Path(tempfile.gettempdir()) / f"lodger-logs-{os.getuid()}"
-        folder.mkdir(mode=0o700, exist_ok=True)
+        folder = durable.make_dirs(Path(tempfile.gettempdir()) / f"lodger-logs-{os.getuid()}")
     return folder
 
 
@@ -76,17 +76,25 @@ def write_crash_log(exc: BaseException) -> Path:
             continue
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(_report(exc))
+            fh.flush()
+            os.fsync(fh.fileno())
+        from .. import durable
+
+        durable.fsync_dir(folder)  # the path the user is told to send must still be there after a cut
         return path
     raise FileExistsError(f"{folder}: no free name for a crash log")
 
 
 def _append_to_run_log(path: Path, exc: BaseException) -> bool:
+    from .. import durable
+    from ..errors import LodgerError
+
     try:
-        with open(path, "a", encoding="utf-8") as fh:
+        with durable.open_append(path) as fh:  # never through a link planted in the run folder
             fh.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} error: unexpected {type(exc).__name__}: {exc}\n")
             fh.write("".join(traceback.format_exception(exc)))
         return True
-    except OSError:
+    except (OSError, LodgerError):
         return False
 
 

@@ -30,6 +30,7 @@ CONVERT_SECONDS_PER_MIB = 0.2  # the GGUF conversion (17 s for SmolLM2's 94 MiB,
 
 
 def _demo_job(folder: Path, plan: dict, threads: int, model: str) -> Path:
+    from .. import durable
     from ..tomlfile import to_toml
 
     data = resources.files("lodger") / "demo"
@@ -43,7 +44,7 @@ def _demo_job(folder: Path, plan: dict, threads: int, model: str) -> Path:
         "checkpoints": {"every_steps": 20, "keep_last": 2},
     }
     path = folder / "demo.toml"
-    path.write_text(to_toml(job))
+    durable.atomic_write(path, to_toml(job).encode())
     return path
 
 
@@ -67,6 +68,7 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
     Example: lodger demo
              lodger demo --long
     """
+    from .. import durable
     from ..home import home
     from ..report import Phase
 
@@ -77,8 +79,7 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
     plan = dict(LONG if long_demo else QUICK)
     if steps is not None:
         plan.update(steps=steps, eval_every=max(steps // 2, 1), log_every=max(1, min(10, steps // 8)))
-    folder = home() / "demo"
-    folder.mkdir(exist_ok=True)
+    folder = durable.make_dirs(home() / "demo")
     job_path = _demo_job(folder, plan, threads, model)
     nice = _lower_priority(job_path)
     prompts = json.loads((resources.files("lodger") / "demo" / "prompts.json").read_text())

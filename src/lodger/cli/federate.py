@@ -189,8 +189,9 @@ def _start_supernode(plan, client_id: str, insecure: bool, root_certificates: Pa
     from ..federated.processes import start_supernode
     from ..home import home
 
-    folder = owner.participation_dir(home(), plan.job, plan.dataset)
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    from ..durable import make_dirs
+
+    folder = make_dirs(owner.participation_dir(home(), plan.job, plan.dataset))
     node_config = {"lodger-home": str(home()), "dataset": plan.dataset, "job": str(plan.job_path),
                    "client-id": client_id}
     extra = [*(["--root-certificates", str(root_certificates)] if root_certificates else []),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..durable import free_bytes, is_no_space
+from ..durable import free_bytes, is_no_space, make_dirs
 from ..faults import fault_point
 from ..errors import DiskFull, ExportError, RunStateError, size_text
 
@@ -37,14 +37,18 @@ def parse_formats(values: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def publish(tmp: Path, dest: Path) -> None:
-    """Make the finished export folder ``tmp`` appear whole at ``dest``: synced first, ``dest``
-    checked again (someone may have written there meanwhile; an empty folder may be replaced), then
-    one rename."""
-    fsync_tree(tmp)
+    """Make the finished export folder ``tmp`` appear whole at ``dest``: every file and folder in it
+    synced first (the model and GGUF writers do not fsync), ``dest`` checked again (someone may have
+    written there meanwhile; an empty folder may be replaced), one rename, and the parent fsynced, so
+    that the export the ledger is about to record is still there after a power cut."""
+    from .. import durable
+
+    durable.sync_tree(tmp)
     check_dest(dest)
     if dest.exists():
         dest.rmdir()
-    os.rename(tmp, dest)
+    durable.rename(tmp, dest)
+    durable.fsync_dir(dest.parent)
 
 
 def check_dest(dest: Path) -> None:
@@ -59,19 +63,6 @@ def _method(run_folder: Path):
 
     raw = tomllib.loads((run_folder / "job.toml").read_text())
     return MethodConfig.model_validate({k: v for k, v in raw.get("method", {}).items() if k != "init_adapter"})
-
-
-def fsync_tree(folder: Path) -> None:
-    """Every file and folder on disk before the rename makes the export visible."""
-    from ..durable import fsync_dir
-
-    for path in sorted(folder.rglob("*"), reverse=True):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-        else:
-            fsync_dir(path)
-    fsync_dir(folder)
 
 
 @dataclass(frozen=True)
@@ -129,7 +120,8 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
     free_before = free_bytes(dest.parent)
     try:
-        tmp.mkdir(parents=True)
+        make_dirs(dest.parent)  # durably: the export's name will need its folder's
+        tmp.mkdir()  # a temporary: its name is made durable by the rename and publish's fsync
         gguf_info = _write_formats(src, tmp, say)
         template = chat_template_sha256(base.folder)
         files = _write_record(src, tmp, gguf_info, template)
@@ -141,15 +133,12 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
         fault_point("export_before_publish")
         publish(tmp, dest)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # never published: whether its removal lasts does not matter
         if is_no_space(exc):  # the half-written export is gone: say what it needs, not an OSError
             need = max(_room_needed(src), (free_before or 0) + 1)
             raise DiskFull(dest, f"about {size_text(need)}", free_bytes(dest.parent), "the export",
                            f"`lodger export {run['id']} {dest}` again", folder=dest.parent) from None
         raise
-    from ..durable import fsync_dir
-
-    fsync_dir(dest.resolve().parent)
     with Ledger() as ledger:
         ledger.event(run["id"], "exported", path=str(dest.resolve()), formats=formats,
                      ledger_head=head["hash"], files=len(manifest["files"]))
@@ -162,7 +151,7 @@ def _remove_unfinished(dest: Path, say: Callable[[str], None]) -> None:
     for tmp in sorted(dest.parent.glob(f".{dest.name}.tmp-*")):
         pid = tmp.name.rsplit(".tmp-", 1)[1].split("-")[0]
         if pid.isdigit() and not _alive(int(pid)) and tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a temporary: back after a cut, it is removed again
             say(f"removed {tmp}, what an export to {dest} killed before it finished had written (never published)")
 
 

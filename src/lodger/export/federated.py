@@ -32,6 +32,7 @@ def export_federated(job_id: str, dest: Path, say: Callable[[str], None] = lambd
     """Export ``job_id``'s newest global adapter and its rounds into the new folder ``dest``."""
     from ..federated.evaluate import round_records
     from ..federated.rounds import RoundStore
+    from ..durable import make_dirs
     from ..ledger import Ledger
     from . import check_dest, publish
     from .manifest import write_manifest
@@ -47,7 +48,8 @@ def export_federated(job_id: str, dest: Path, say: Callable[[str], None] = lambd
     records = [r for r in records if r["round"] <= latest.round]
     tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
     try:
-        tmp.mkdir(parents=True)
+        make_dirs(dest.parent)  # durably: the export's name will need its folder's
+        tmp.mkdir()  # a temporary: its name is made durable by publish's rename and fsync
         _write_adapter(store.store.load_step(latest.round).path, latest.adapter_config, tmp)
         say(f"peft: global adapter of round {latest.round}, tokenizer")
         (tmp / "rounds.json").write_text(json.dumps(records, indent=1, sort_keys=True, default=str))
@@ -56,7 +58,7 @@ def export_federated(job_id: str, dest: Path, say: Callable[[str], None] = lambd
                                   extra={"federated_rounds": [round_summary(r) for r in records]})
         publish(tmp, dest)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # never published: whether its removal lasts does not matter
         raise
     with Ledger() as ledger:
         ledger.event(None, "federated_exported", job_id=job_id, path=str(dest.resolve()), round=latest.round,

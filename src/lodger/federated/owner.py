@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from .. import durable
 from ..control import clear_request, effective, read_requests, write_request
 from ..errors import FederationRefused, LodgerError
 
@@ -131,8 +132,7 @@ def check_permission(home: Path, job, dataset=None) -> None:
 # -- the owner holds federated work --------------------------------------------------------------
 def hold(home: Path, job, dataset, reason: str = "") -> None:
     """Decline every round of this participation until ``release_hold`` (the owner's request)."""
-    folder = participation_dir(home, job, dataset)
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    folder = durable.make_dirs(participation_dir(home, job, dataset))  # the hold must outlast a power cut
     why = reason or "the owner holds this machine"
     write_request(folder, "user", "hold", why)
     with _ledger(home) as ledger:

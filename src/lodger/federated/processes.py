@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import durable
 from ..errors import FederatedError
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -138,7 +139,7 @@ def _env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     # ClientApp) looks for new work every second by default; a round waits half of that on average.
     env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", str(TASK_POLL_SECONDS))
     env.update(extra or {})
-    Path(env["FLWR_HOME"]).mkdir(parents=True, exist_ok=True, mode=0o700)
+    durable.make_dirs(Path(env["FLWR_HOME"]))  # what Flower keeps in it is Flower's to make durable
     return env
 
 
@@ -166,8 +167,8 @@ def tail(log: Path, n: int = 2000) -> str:
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
+    durable.make_dirs(log.parent)
+    with durable.open_file(log, "ab") as out:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
 
@@ -239,8 +240,8 @@ def write_connection(flwr_home: Path, superlink: str, insecure: bool = True,
     if root_certificates:
         lines.append(f"root-certificates = {json.dumps(str(root_certificates))}")
     path = Path(flwr_home) / "config.toml"
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path.write_text("\n".join(lines) + "\n")
+    durable.make_dirs(path.parent)
+    durable.atomic_write(path, ("\n".join(lines) + "\n").encode())
     return path
 
 

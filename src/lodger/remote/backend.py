@@ -76,8 +76,9 @@ class Backend:
         """Ask the run to release or hold: a request file in its storage folder, noticed by polling
         (and signalled too if its process verifiably runs on this machine)."""
         from ..control import ask
+        from ..durable import make_dirs
 
-        folder.mkdir(parents=True, exist_ok=True)
+        make_dirs(folder)  # the request must outlast a power cut, so must its folder's name
         ask(folder, "user", mode, "lodger pause", ledger=ledger,
             event={"kind": "pause_requested", "mode": mode, "by": "user", "target": run["target"]})
 

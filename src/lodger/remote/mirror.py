@@ -150,10 +150,9 @@ class Mirror:
                 continue
             changed = True
             if body is None:
-                path.unlink(missing_ok=True)
+                durable.remove(path)
             else:
-                path.parent.mkdir(exist_ok=True)
-                durable.atomic_write(path, body)
+                durable.atomic_write(durable.make_dirs(path.parent) / path.name, body)
         if changed:
             wake(self.folder)
 
@@ -179,7 +178,7 @@ def seed(store: Storage, run_id: str, folder: Path) -> int | None:
             store.get_file(f"{key}/{name}", folder / name)
         except FileNotFoundError:
             pass
-    (folder / "checkpoints").mkdir(exist_ok=True)
+    durable.make_dirs(folder / "checkpoints")
     for ckpt in list_checkpoints(store, f"{key}/checkpoints"):
         try:
             fetch(store, ckpt, folder / "checkpoints")  # every byte verified, or nothing written
@@ -191,7 +190,7 @@ def seed(store: Storage, run_id: str, folder: Path) -> int | None:
 
 def download_tree(store: Storage, prefix: str, local: Path) -> None:
     """Copy every object under ``prefix`` into ``local`` (names checked by Storage.entries)."""
-    local.mkdir(parents=True, exist_ok=True)
+    durable.make_dirs(local)
     for name, size in store.entries(prefix).items():
         if size is None:
             download_tree(store, f"{prefix}/{name}", local / name)

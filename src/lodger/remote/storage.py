@@ -138,7 +138,7 @@ class Storage:
         path = self.path(key)
         if self.local:
             target = Path(path)
-            _makedirs(target.parent)
+            durable.make_dirs(target.parent)
             if not exclusive:
                 durable.atomic_write(target, bytes(data))
                 return
@@ -147,7 +147,7 @@ class Storage:
             try:
                 os.link(tmp, target)  # fails if the name exists: never overwrite
             finally:
-                os.unlink(tmp)
+                os.unlink(tmp)  # a temporary: whether its removal survives a cut does not matter
             durable.fsync_dir(target.parent)
             return
         try:
@@ -165,7 +165,7 @@ class Storage:
         local = Path(local)
         if self.local:
             target = Path(self.path(key))
-            _makedirs(target.parent)
+            durable.make_dirs(target.parent)
             tmp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
             with open(local, "rb") as fh:
                 durable.write_file(tmp, iter(lambda: fh.read(_CHUNK), b""))
@@ -193,7 +193,7 @@ class Storage:
         except FileNotFoundError:
             raise
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)  # a temporary, never renamed into place
             raise self._fail(key, "download", exc) from None
         durable.rename(tmp, local)
         durable.fsync_dir(local.parent)
@@ -266,7 +266,7 @@ class Storage:
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
         if self.local:
             target = Path(self.path(key))
-            _makedirs(target.parent)
+            durable.make_dirs(target.parent)
             try:
                 durable.write_folder(target, {**files, MANIFEST: body})  # dicts keep order: manifest last
             except FileExistsError:
@@ -309,20 +309,6 @@ def _s3_filesystem(uri: str, profile: str | None):
     if profile:
         kwargs["profile"] = profile  # a name; boto reads the keys from ~/.aws itself
     return s3fs.S3FileSystem(**kwargs)
-
-
-def _makedirs(path: Path) -> None:
-    """Create missing folders (owner-only) and fsync each into its parent, top-down."""
-    missing = []
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
-    for folder in reversed(missing):
-        try:
-            durable.mkdir(folder)
-        except FileExistsError:
-            continue
-        durable.fsync_dir(folder.parent)
 
 
 def _read_regular(path: Path) -> bytes:

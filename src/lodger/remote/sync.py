@@ -43,7 +43,7 @@ def sync(ledger, run: dict) -> dict:
         records = _new_records(store, run)
         if not store.exists(key) and not records:
             return run  # the remote worker has not created its run yet
-        local.mkdir(exist_ok=True)
+        durable.make_dirs(local)
         keep = _keep_last(staged if staged is not None else _read(store, "job.toml"))
         copied = _sync_checkpoints(store, f"{key}/checkpoints", local / "checkpoints", keep)
         for name in ("metrics.jsonl", "log.txt", "provenance.json", "control/state.json"):
@@ -103,8 +103,7 @@ def _sync_checkpoints(store, prefix: str, local_root: Path, keep_last: int) -> l
     found = list_checkpoints(store, prefix)[:keep_last]
     if not found:
         return []
-    local_root.mkdir(exist_ok=True)
-    local = CheckpointStore(local_root, keep_last)
+    local = CheckpointStore(local_root, keep_last)  # it makes its folder, durably
     local.clean_stale()
     have = {step for step, _ in local.committed()}
     copied = []
@@ -128,8 +127,7 @@ def _mirror_file(store, key: str, target: Path) -> None:
             return
     except OSError:
         pass
-    target.parent.mkdir(exist_ok=True)
-    durable.atomic_write(target, data)
+    durable.atomic_write(durable.make_dirs(target.parent) / target.name, data)
 
 
 def _mirror_adapter(store, key: str, target: Path) -> None:

@@ -62,8 +62,9 @@ def main(run_id: str, run_uri: str, submission_id: str) -> int:
         store.get_file("job.toml", root / "job.toml")
         for prefix in ("data", "model"):
             download_tree(store, prefix, root / prefix)
-    home = root / "home"
-    home.mkdir(parents=True, exist_ok=True, mode=0o700)  # a lodger home is owner-only
+    from ..durable import make_dirs
+
+    home = make_dirs(root / "home")  # owner-only, as a lodger home is; durable: on a shared folder it persists
     anchor = json.loads(store.read_bytes("chain_head.json"))["hash"]
     log = EventLog(store, "events", run_id=run_id, anchor=anchor)
     mirror = Mirror(store, home, run_id, submission_id, log)
@@ -125,6 +126,7 @@ def _fresh(root: Path) -> None:
 
     if root.exists():
         durable.remove_tree(root)
+    # Scratch on a node that keeps nothing (the bucket holds the record): no name here needs to outlast a cut.
     root.mkdir(parents=True, mode=0o700)
 
 

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import durable
 from ..errors import LodgerError
 from ..home import home
 
@@ -75,8 +76,9 @@ def ensure_token(path: Path | None = None) -> tuple[str, bool]:
             os.link(tmp, path)
         except FileExistsError:
             return read_token(path) or token, False
+        durable.fsync_dir(path.parent)  # the token handed out must still be the token after a power cut
     finally:
-        tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)  # a temporary name: whether its removal survives a cut does not matter
     return token, True
 
 

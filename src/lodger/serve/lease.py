@@ -13,6 +13,7 @@ import threading
 import time
 import tomllib
 
+from .. import durable
 from ..config import PolicyConfig
 from ..control import ask, clear_request, read_requests, wake, write_request
 from ..home import run_dir
@@ -153,7 +154,7 @@ class ServeClaim:
         from ..errors import RunStateError
         from ..runlock import process_start
 
-        fh = open(run_dir(run_id) / SERVE_LOCK, "a+", encoding="utf-8")
+        fh = durable.open_file(run_dir(run_id) / SERVE_LOCK, "a+", encoding="utf-8")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
