@@ -83,8 +83,9 @@ def to_tensorboard(record: RunRecord, folder: Path) -> str:
     """Write the run's event files into ``folder/<run id>``, replacing what an earlier export wrote."""
     from tensorboardX import SummaryWriter
 
-    final = Path(folder) / record.run["id"]
-    final.parent.mkdir(parents=True, exist_ok=True)
+    from . import durable
+
+    final = durable.make_dirs(Path(folder)) / record.run["id"]
     fresh = final.with_name(f".{final.name}.tmp-{secrets.token_hex(3)}")
     writer = SummaryWriter(str(fresh))
     try:
@@ -96,10 +97,12 @@ def to_tensorboard(record: RunRecord, folder: Path) -> str:
     finally:
         writer.close()
     old = final.with_name(f".{final.name}.old-{secrets.token_hex(3)}")
+    durable.sync_tree(fresh)  # tensorboardX does not fsync; the event says these values are there
     if final.exists():
-        os.rename(final, old)
-    os.rename(fresh, final)
-    shutil.rmtree(old, ignore_errors=True)
+        durable.rename(final, old)
+    durable.rename(fresh, final)
+    durable.fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)  # the replaced copy: back after a cut, it is a hidden leftover
     return f"tensorboard: {sum(len(p) for p in record.points().values())} values in {final} " \
            f"(tensorboard --logdir {final.parent})"
 
