@@ -54,7 +54,7 @@ class Ledger:
             self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
             self.db.row_factory = sqlite3.Row
             self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("PRAGMA synchronous=FULL")  # a commit lasts once it returns: docs/power-cut.md, 7
             self.db.execute("PRAGMA busy_timeout=30000")
             self._migrate()
         except sqlite3.DatabaseError as exc:
