@@ -164,7 +164,8 @@ def test_resumed_after_a_power_cut_the_run_ends_bitwise_equal_to_the_uninterrupt
     disk, run_id = recording.disk, recording.run_id
     expected = _numbers(baseline.run_dir)
     for n, (why, cut, variant) in enumerate(_cli_picks(recording)):
-        label, tree = list(disk.variants(cut, random.Random(cut)))[variant]
+        states = list(disk.variants(cut, random.Random(cut)))  # three when no write was pending: none to tear
+        label, tree = states[min(variant, len(states) - 1)]
         where = f"{why}, {disk.describe_cut(cut)}: {label}"
         home = write_tree(tree, tmp_path / f"home-{n}", keep=not_shm)
         env = lodger_env(home)
