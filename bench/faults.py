@@ -7,7 +7,8 @@
                                            # an edited ledger, stale lock pids, ...), counted alike
     python bench/faults.py -k serve        # a pytest -k selection
 
-Prints, for each case (a test of tests/e2e/test_faults_*.py and tests/unit/test_faults_*.py):
+Prints, for each case (a test of tests/e2e/test_faults_*.py, tests/unit/test_faults_*.py and the
+power-cut suite, tests/e2e/test_power_cut*.py):
 
     fault <name>: held (<what was checked>, 12.3 s)
     fault <name>: BROKEN (<what was checked>, 4.0 s)
@@ -17,9 +18,11 @@ then `faults: N tried, N held` (and how many were skipped, e.g. a full disk wher
 mounted). Exit 0 when every case tried held. The cases run in this process through pytest (the
 tests are the cases: one definition, run by `make test` and here), with LODGER_FAULTS_ALL=1 so
 that the expensive ones (a 2 GiB line, 10^6 lines) run too; their own figures (peak memory,
-seconds) are printed with `#` in front. Seconds include each case's share of shared set-up (a
-module's trained run is paid by its first case) on whatever else the machine was doing: a
-measure, not a bound.
+seconds) are printed with `#` in front, but for the power-cut model's tally, `power cut: N states,
+N held` (every cut point of a recorded run and resume, four kinds of state at each), and each
+real-file-system trial is a case of its own (`fault ext4_shut_down_...[<fault point>]`). Seconds
+include each case's share of shared set-up (a module's trained run is paid by its first case) on
+whatever else the machine was doing: a measure, not a bound.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ["tests/e2e/test_faults_disk.py", "tests/e2e/test_faults_files.py", "tests/e2e/test_faults_kill.py",
          "tests/e2e/test_faults_race.py", "tests/e2e/test_faults_serve.py", "tests/e2e/test_faults_forgery.py",
-         "tests/e2e/test_power_cut.py",
+         "tests/e2e/test_power_cut.py", "tests/e2e/test_power_cut_ext4.py",
          "tests/unit/test_faults_enospc.py", "tests/unit/test_faults_links.py", "tests/unit/test_faults_federated.py"]
 PLANNED = ["tests/e2e/test_resume_exact.py", "tests/e2e/test_ledger_recovery.py", "tests/e2e/test_signal_safety.py",
            "tests/e2e/test_chain.py", "tests/unit/test_power_loss.py", "tests/unit/test_faults.py",
@@ -73,8 +76,8 @@ class Tally:
         elif report.when == "teardown" and report.failed:
             self.outcome[node] = "BROKEN"
         for text in (report.capstdout or "").splitlines():
-            if text.strip() and report.when == "call":
-                print(f"# {text.strip()}", flush=True)
+            if text.strip() and report.when == "call":  # the power-cut tally is a result line of its own
+                print(text.strip() if text.startswith("power cut:") else f"# {text.strip()}", flush=True)
         if report.failed:
             self.failures.setdefault(node, []).append(report.longreprtext)
         if report.when == "teardown" and node not in self.printed:

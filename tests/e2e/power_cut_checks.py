@@ -18,6 +18,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers import describe, final_adapter_bytes, lodger_env, read_metrics, run_lodger
 from lodger.checkpoint import CheckpointStore
 from lodger.errors import CheckpointError, LedgerError
 from lodger.ledger import Ledger
@@ -96,9 +97,7 @@ class Checker:
         if index not in self._reported:
             files = self.disk.watched[index][1]
             folder = write_tree({k: v for k, v in files.items() if not_shm(k)}, self.scratch / f"reported-{index}")
-            events = _events(folder / LEDGER)
-            steps = [e["data"].get("step") for e in events if e["run_id"] == self.run_id and e["kind"] == "checkpoint"]
-            self._reported[index] = Reported({e["seq"]: e["hash"] for e in events}, max(steps, default=None))
+            self._reported[index] = reported_by(folder / LEDGER, self.run_id)
             shutil.rmtree(folder)
         return self._reported[index]
 
@@ -117,58 +116,94 @@ class Checker:
         return self._seen[key]
 
     def _problems(self, tree: Tree, reported: Reported) -> list[str]:
-        run = f"runs/{self.run_id}"
-        folder = self.scratch / "state"
-        if folder.exists():
-            shutil.rmtree(folder)
-        write_tree({k: v for k, v in tree.items() if is_ledger(k) and not_shm(k)}, folder / "home")
+        return state_problems(tree, reported, self.run_id, self.metrics, self.job, self.scratch / "state")
+
+
+def reported_by(ledger_file: Path, run_id: str) -> Reported:
+    """What the ledger at ``ledger_file`` (a copy: opening it may write) says is committed."""
+    events = _events(ledger_file)
+    steps = [e["data"].get("step") for e in events if e["run_id"] == run_id and e["kind"] == "checkpoint"]
+    return Reported({e["seq"]: e["hash"] for e in events}, max(steps, default=None))
+
+
+def state_problems(tree: Tree, reported: Reported, run_id: str, metrics: dict[tuple[str, int], dict],
+                   job: bytes | None, folder: Path, same=lambda a, b: a == b) -> list[str]:
+    """What is wrong with home ``tree`` after a cut, given what the ledger had ``reported``: the
+    ledger's audit, reported rows kept, every checkpoint there verifying and the newest recorded one
+    among them, metrics.jsonl's lines up to it as in ``metrics`` (compared by ``same``), the job
+    file there (and equal to ``job`` unless None)."""
+    run = f"runs/{run_id}"
+    if folder.exists():
+        shutil.rmtree(folder)
+    write_tree({k: v for k, v in tree.items() if is_ledger(k) and not_shm(k)}, folder / "home")
+    try:
+        with Ledger(folder / "home" / LEDGER) as ledger:
+            _, chain = ledger.audit()
+            records = ledger.audit_records()
+            events = ledger.events()
+    except (sqlite3.DatabaseError, LedgerError) as exc:
+        return [f"the ledger cannot be read: {exc}"]
+    found = [f"ledger audit: row {p.seq} {p.problem}" for p in chain]
+    found += [f"ledger records: {p}" for p in records]
+    have = {e["seq"]: e["hash"] for e in events}
+    lost = sorted(seq for seq, digest in reported.events.items() if have.get(seq) != digest)
+    if lost:
+        found.append(f"ledger rows {lost[:8]}{' ...' if len(lost) > 8 else ''} were reported committed and "
+                     f"are gone ({len(lost)} in all)")
+    named = max((e["data"].get("step") for e in events if e["run_id"] == run_id and e["kind"] == "checkpoint"),
+                default=None)
+
+    ckpts = tree_get(tree, f"{run}/checkpoints")
+    store = CheckpointStore(write_tree(ckpts if isinstance(ckpts, dict) else {}, folder / "ckpt"), keep_last=2)
+    newest = None
+    for step, path in store.committed():
         try:
-            with Ledger(folder / "home" / LEDGER) as ledger:
-                _, chain = ledger.audit()
-                records = ledger.audit_records()
-                events = ledger.events()
-        except (sqlite3.DatabaseError, LedgerError) as exc:
-            return [f"the ledger cannot be read: {exc}"]
-        found = [f"ledger audit: row {p.seq} {p.problem}" for p in chain]
-        found += [f"ledger records: {p}" for p in records]
-        have = {e["seq"]: e["hash"] for e in events}
-        lost = sorted(seq for seq, digest in reported.events.items() if have.get(seq) != digest)
-        if lost:
-            found.append(f"ledger rows {lost[:8]}{' ...' if len(lost) > 8 else ''} were reported committed and "
-                         f"are gone ({len(lost)} in all)")
-        named = max((e["data"].get("step") for e in events if e["run_id"] == self.run_id
-                     and e["kind"] == "checkpoint"), default=None)
+            store.load(path)
+        except CheckpointError as exc:
+            found.append(f"checkpoint {path.name} is there but damaged: {exc}")
+            continue
+        newest = step if newest is None else max(newest, step)
+    need = max([s for s in (named, reported.checkpoint) if s is not None], default=None)
+    if need is not None and (newest is None or newest < need):
+        found.append(f"the ledger recorded checkpoint step {need} (its rows: {named}, reported: "
+                     f"{reported.checkpoint}) but the newest that verifies is {newest}")
 
-        ckpts = tree_get(tree, f"{run}/checkpoints")
-        store = CheckpointStore(write_tree(ckpts if isinstance(ckpts, dict) else {}, folder / "ckpt"), keep_last=2)
-        newest = None
-        for step, path in store.committed():
-            try:
-                store.load(path)
-            except CheckpointError as exc:
-                found.append(f"checkpoint {path.name} is there but damaged: {exc}")
-                continue
-            newest = step if newest is None else max(newest, step)
-        need = max([s for s in (named, reported.checkpoint) if s is not None], default=None)
-        if need is not None and (newest is None or newest < need):
-            found.append(f"the ledger recorded checkpoint step {need} (its rows: {named}, reported: "
-                         f"{reported.checkpoint}) but the newest that verifies is {newest}")
+    if newest is not None:
+        lines = metric_records(tree_get(tree, f"{run}/metrics.jsonl"))  # type: ignore[arg-type]
+        want = {k: r for k, r in metrics.items() if k[1] <= newest}
+        missing = sorted(k for k in want if k not in lines)
+        if missing:
+            state = "is missing" if tree_get(tree, f"{run}/metrics.jsonl") is None else "lacks them"
+            found.append(f"metrics.jsonl {state}: {len(missing)} line(s) at or before checkpoint step {newest}, "
+                         f"which resume keeps and never writes again: {missing[:6]}")
+        differ = sorted(k for k in want if k in lines and not same(lines[k], want[k]))
+        if differ:
+            found.append(f"metrics.jsonl lines {differ[:6]} differ from the ones the run wrote")
+    written = tree_get(tree, f"{run}/job.toml")
+    if any(e["run_id"] == run_id for e in events) and (written is None or (job is not None and written != job)):
+        found.append(f"the ledger holds run {run_id} but {run}/job.toml is "
+                     f"{'missing' if written is None else 'not what was written'}")
+    return found
 
-        if newest is not None:
-            lines = metric_records(tree_get(tree, f"{run}/metrics.jsonl"))  # type: ignore[arg-type]
-            want = {k: r for k, r in self.metrics.items() if k[1] <= newest}
-            missing = sorted(k for k in want if k not in lines)
-            if missing:
-                state = "is missing" if tree_get(tree, f"{run}/metrics.jsonl") is None else "lacks them"
-                found.append(f"metrics.jsonl {state}: {len(missing)} line(s) at or before checkpoint step {newest}, "
-                             f"which resume keeps and never writes again: {missing[:6]}")
-            differ = sorted(k for k in want if k in lines and lines[k] != want[k])
-            if differ:
-                found.append(f"metrics.jsonl lines {differ[:6]} differ from the ones the run wrote")
-        if any(e["run_id"] == self.run_id for e in events) and tree_get(tree, f"{run}/job.toml") != self.job:
-            found.append(f"the ledger holds run {self.run_id} but {run}/job.toml is "
-                         f"{'missing' if tree_get(tree, f'{run}/job.toml') is None else 'not what was written'}")
-        return found
+
+def numbers(folder: Path) -> dict[tuple[str, int], dict]:
+    """Every line of a run's metrics.jsonl by (kind, step), timings left out."""
+    return {(r["kind"], r["step"]): exact(r) for r in read_metrics(folder)}
+
+
+def assert_resumes_to_the_end(home: Path, run_id: str, baseline, where: str) -> None:
+    """`lodger resume` in ``home`` finishes with the baseline's final adapter and every logged number,
+    and `lodger audit` then finds the ledger intact."""
+    env = lodger_env(home)
+    resumed = run_lodger(["resume", run_id, "--quiet"], env)
+    assert resumed.returncode == 0, f"{where}\n{describe(resumed)}"
+    folder = home / "runs" / run_id
+    assert final_adapter_bytes(folder) == baseline.adapter, f"{where}: the final adapter differs"
+    got, expected = numbers(folder), numbers(baseline.run_dir)
+    assert sorted(got) == sorted(expected), f"{where}: metrics.jsonl lacks {sorted(set(expected) - set(got))[:8]}"
+    assert got == expected, f"{where}: metric lines differ: {[k for k in sorted(expected) if got[k] != expected[k]][:8]}"
+    audit = run_lodger(["audit"], env)
+    assert audit.returncode == 0 and "ledger intact" in audit.stdout, f"{where}\n{describe(audit)}"
 
 
 def _events(path: Path) -> list[dict]:

@@ -29,9 +29,10 @@ from pathlib import Path
 import pytest
 
 from faults_helpers import ALL_ENV
-from helpers import (LODGER, describe, final_adapter_bytes, killed_by_sigkill, lodger_env, read_metrics, run_lodger)
+from helpers import LODGER, describe, killed_by_sigkill, lodger_env
 from power_cut import Disk, read_tree, write_tree
-from power_cut_checks import Checker, exact, is_ledger, name_need_not_last, names_not_durable, not_shm
+from power_cut_checks import (Checker, assert_resumes_to_the_end, is_ledger, name_need_not_last, names_not_durable,
+                              not_shm)
 from syscall_trace import Call, Parser, record
 
 pytestmark = [pytest.mark.faults,
@@ -154,31 +155,15 @@ def _cli_picks(recording: Recording) -> list[tuple[str, int, int]]:
     return picks
 
 
-def _numbers(folder: Path) -> dict[tuple[str, int], dict]:
-    return {(r["kind"], r["step"]): exact(r) for r in read_metrics(folder)}
-
-
 def test_resumed_after_a_power_cut_the_run_ends_bitwise_equal_to_the_uninterrupted_one(
         recording: Recording, baseline, tmp_path: Path) -> None:
     """`lodger resume` from sampled cut states finishes; weights and every logged number equal the baseline's"""
-    disk, run_id = recording.disk, recording.run_id
-    expected = _numbers(baseline.run_dir)
+    disk = recording.disk
     for n, (why, cut, variant) in enumerate(_cli_picks(recording)):
         states = list(disk.variants(cut, random.Random(cut)))  # three when no write was pending: none to tear
         label, tree = states[min(variant, len(states) - 1)]
-        where = f"{why}, {disk.describe_cut(cut)}: {label}"
         home = write_tree(tree, tmp_path / f"home-{n}", keep=not_shm)
-        env = lodger_env(home)
-        resumed = run_lodger(["resume", run_id, "--quiet"], env)
-        assert resumed.returncode == 0, f"{where}\n{describe(resumed)}"
-        folder = home / "runs" / run_id
-        assert final_adapter_bytes(folder) == baseline.adapter, f"{where}: the final adapter differs"
-        got = _numbers(folder)
-        assert sorted(got) == sorted(expected), f"{where}: metrics.jsonl lacks {sorted(set(expected) - set(got))[:8]}"
-        assert got == expected, f"{where}: metric lines differ: " + str(
-            [k for k in sorted(expected) if got[k] != expected[k]][:8])
-        audit = run_lodger(["audit"], env)
-        assert audit.returncode == 0 and "ledger intact" in audit.stdout, f"{where}\n{describe(audit)}"
+        assert_resumes_to_the_end(home, recording.run_id, baseline, f"{why}, {disk.describe_cut(cut)}: {label}")
 
 
 # flaw -> which fsync calls are left out of the recording (as if lodger never made them)
