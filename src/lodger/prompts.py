@@ -32,7 +32,8 @@ def check_row(row: object) -> str | None:
         return "expected a JSON object"
     if "prompt" not in row:
         if "messages" in row or "text" in row:
-            return 'a supervised line ("messages"/"text"); objective = "grpo" needs "prompt" (and the fields your rewards read)'
+            return ('a supervised line ("messages"/"text"); objective = "grpo" needs "prompt" (and the fields your '
+                    "rewards read)")
         return 'missing "prompt" (objective = "grpo" needs {"prompt": ..., plus the fields your rewards read})'
     taken = [key for key in RESERVED if key in row and key != "line"]
     if taken:
@@ -50,7 +51,8 @@ def check_row(row: object) -> str | None:
         if not isinstance(message.get("content"), str):
             return f"prompt[{i}].content must be a string"
     if prompt[-1]["role"] == "assistant":
-        return "the prompt's last message is the assistant's: the completion is the next assistant turn; end with a user message"
+        return ("the prompt's last message is the assistant's: the completion is the next assistant turn; end with "
+                "a user message")
     return None
 
 

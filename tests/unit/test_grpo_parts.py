@@ -119,9 +119,10 @@ def _score(rewards, n: int = 2, step: int = 4):
 
 
 def test_owner_reward_problems_are_named_before_training(tmp_path):
-    for source, function, why in (("def g(prompts, completions, **kw):\n    return []\n", "f", "defines no `f` (its functions: g)"),
-                                  ("def f(prompts, completions):\n    return []\n", "f", "must accept **kwargs"),
-                                  ("raise RuntimeError('at import')\n", "f", "raised while being imported")):
+    cases = (("def g(prompts, completions, **kw):\n    return []\n", "f", "defines no `f` (its functions: g)"),
+             ("def f(prompts, completions):\n    return []\n", "f", "must accept **kwargs"),
+             ("raise RuntimeError('at import')\n", "f", "raised while being imported"))
+    for source, function, why in cases:
         rewards = _rewards(tmp_path, source, function)
         with pytest.raises(JobFileError) as caught:
             rewards.check()

@@ -201,7 +201,7 @@ def build_objective(session: "Session"):
     for full fine-tuning with a KL term, a frozen copy of the base as the reference. With
     num_iterations > 1 the planner repeats the sampling step's plan until the next sampling."""
     job, prepared = session.job, session.p
-    if job.method.objective != "grpo":
+    if job.grpo is None:  # set exactly when objective = "grpo" (config: JobConfig._grpo_parts)
         return make_objective(job.method)
     from .grpo import GRPO, RepeatPlanner
 

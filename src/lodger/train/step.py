@@ -62,7 +62,7 @@ def _hook_backward(output, control) -> None:
         tensor.register_hook(control.yield_point)  # returns None: the gradient is left as it is
 
 
-def micro_step(objective, model, batch, precision, device: str, weights: tuple[int, ...],
+def micro_step(objective, model, batch, precision, device: str, weights: tuple[float, ...],
                factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward and backward of one micro-batch: the objective's loss terms (objective.py), combined
     with the whole step's normalisers ``weights`` (``factor``: test-only fault injection, see
