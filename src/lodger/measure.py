@@ -255,6 +255,8 @@ def _grpo_objective(job: "JobConfig", model, tokenizer, precision, seq: int, gen
     """GRPO's objective on ``grad_accum`` micro-batches of ``batch_size`` synthetic ``seq``-token
     prompts, every completion sampled to max_completion_length (the widest a step gets), rewards
     drawn at random (the reward host's memory is its own process's)."""
+    import dataclasses
+
     import torch
 
     from .prompts import PromptBatch, PromptSet
@@ -282,7 +284,7 @@ def _grpo_objective(job: "JobConfig", model, tokenizer, precision, seq: int, gen
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     objective = GRPO(grpo, Rewards(), tokenizer=tokenizer, dataset=prompts, eval_set=None, precision=precision,
                      device="cpu", sync=sync, progress=progress, reference=reference)
-    objective.sampling.min_new_tokens = grpo.max_completion_length  # every completion as long as it may be
+    objective.sampling = dataclasses.replace(objective.sampling, min_new=grpo.max_completion_length)  # full length
     batches = [PromptBatch(list(range(m * cfg.batch_size, (m + 1) * cfg.batch_size))) for m in range(cfg.grad_accum)]
     return objective, batches
 

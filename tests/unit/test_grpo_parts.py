@@ -200,3 +200,53 @@ def test_the_code_reward_runs_the_completions_program_with_the_lines_tests(tmp_p
                           [[1], [1]], {"tests": ["assert add(2, 3) == 5"] * 2}, [1, 2], 0)
     rewards.close()
     assert [row[0] for row in table] == [1.0, 0.0]
+
+
+def test_the_decode_loop_matches_transformers_generate_and_the_losss_layout(tiny_model_dir):
+    """Greedy completions of prompts of different lengths (left-padded, positions counted per row)
+    equal transformers' ``generate``'s; and on the loss's right-padded layout every one of those
+    tokens is again the most likely one at its position (the same distributions, so a batch
+    trained once starts at ratio 1). Sampling with top-k and top-p draws only allowed tokens."""
+    import torch
+    from transformers import GenerationConfig
+
+    from lodger.config import MethodConfig
+    from lodger.model import attach_method, load_base_model, load_tokenizer
+    from lodger.train.grpo import token_logps
+    from lodger.train.precision import Precision
+    from lodger.train.rollout import Sampling, layout, sample
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(0)
+    model = attach_method(load_base_model(tiny_model_dir), MethodConfig(rank=4, alpha=8.0), 0)
+    prompts = [tokenizer("What is 2 + 3?")["input_ids"], tokenizer("Count up from 4, then stop.")["input_ids"],
+               tokenizer("Hi")["input_ids"]]
+    ends, pad, fp32 = frozenset({tokenizer.eos_token_id}), tokenizer.pad_token_id, Precision("fp32", "cpu")
+    ours = sample(model, prompts, sampling=Sampling(12, ends, greedy=True), pad_id=pad, precision=fp32, device="cpu")
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    model.eval()
+    theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
+        do_sample=False, max_new_tokens=12, eos_token_id=[tokenizer.eos_token_id], pad_token_id=pad))
+    for row, completion in zip(theirs[:, width:].tolist(), ours):
+        assert row[:len(completion)] == completion
+
+    tensors = layout(prompts, ours, pad, False, 12, set(ends))
+    with torch.no_grad():
+        logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+    for r, (prompt, completion) in enumerate(zip(prompts, ours)):
+        best = logits[r, len(prompt) - 1:len(prompt) - 1 + len(completion)].argmax(-1).tolist()
+        assert best == completion
+
+    torch.manual_seed(1)
+    top = Sampling(12, ends, temperature=0.8, top_k=5, top_p=0.9)
+    sampled = sample(model, prompts, sampling=top, pad_id=pad, precision=fp32, device="cpu")
+    tensors = layout(prompts, sampled, pad, False, 12, set(ends))
+    with torch.no_grad():
+        logits = model(input_ids=tensors["input_ids"], attention_mask=tensors["attention_mask"]).logits
+        assert bool(torch.isfinite(token_logps(model, tensors, 0.8)[tensors["mask"] > 0]).all())
+    for r, (prompt, completion) in enumerate(zip(prompts, sampled)):
+        for k, token in enumerate(completion):
+            allowed = logits[r, len(prompt) - 1 + k].topk(5).indices.tolist()
+            assert token in allowed, (r, k, token, allowed)

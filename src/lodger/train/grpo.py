@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .loss import head_logprobs, head_parts
-from .rollout import Rollout, advantages, layout, reward_inputs, sample, text_preview
+from .rollout import Rollout, Sampling, advantages, layout, reward_inputs, sample, text_preview
 
 
 def token_logps(model, tensors: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
@@ -85,8 +85,6 @@ class GRPO:
 
     def __init__(self, grpo, rewards, *, tokenizer, dataset, eval_set, precision, device: str, sync, progress,
                  reference=None):
-        from transformers import GenerationConfig
-
         self.cfg, self.rewards, self.tokenizer = grpo, rewards, tokenizer
         self.dataset, self.eval_set = dataset, eval_set
         self.precision, self.device, self.sync, self.reference = precision, device, sync, reference
@@ -95,11 +93,10 @@ class GRPO:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         ends = {tokenizer.eos_token_id}
         self.ends = {e for e in ends if e is not None}
-        common = dict(eos_token_id=sorted(self.ends), pad_token_id=self.pad_id, use_cache=True, bos_token_id=None,
-                      max_new_tokens=grpo.max_completion_length, repetition_penalty=1.0, num_beams=1)
-        self.sampling = GenerationConfig(do_sample=True, temperature=grpo.temperature, top_p=grpo.top_p,
-                                         top_k=grpo.top_k or None, **common)
-        self.greedy = GenerationConfig(do_sample=False, **common)
+        ends = frozenset(self.ends)
+        self.sampling = Sampling(grpo.max_completion_length, ends, temperature=grpo.temperature, top_k=grpo.top_k,
+                                 top_p=grpo.top_p)
+        self.greedy = Sampling(grpo.max_completion_length, ends, greedy=True)
         self.kept: Kept | None = None
         self.totals: tuple[float, ...] = (1.0,)
         self.samples: list[dict] = []
@@ -141,7 +138,7 @@ class GRPO:
         group = 1 if greedy else self.cfg.num_generations
         rows = [i for i in indices for _ in range(group)]
         prompts = [dataset.prompt_ids(i) for i in rows]
-        completions = sample(model, prompts, generation=self.greedy if greedy else self.sampling, pad_id=self.pad_id,
+        completions = sample(model, prompts, sampling=self.greedy if greedy else self.sampling, pad_id=self.pad_id,
                              precision=self.precision, device=self.device)
         tensors = layout(prompts, completions, self.pad_id, self.cfg.mask_truncated_completions,
                          self.cfg.max_completion_length, self.ends)
