@@ -1,5 +1,5 @@
 """GRPO's rollouts: for each prompt of a micro-batch, G completions sampled from the current policy
-(batched, with a KV cache: transformers' ``generate``), scored by the reward functions, with
+(batched, with a KV cache), scored by the reward functions, with
 advantages normalised within each prompt's group, laid out for the loss.
 
 Why these choices:
@@ -123,7 +123,7 @@ def sample(model, prompt_ids: list[list[int]], *, sampling: Sampling, pad_id: in
     try:
         with precision.autocast():
             out = model(input_ids=ids, attention_mask=attention, position_ids=position, use_cache=True,
-                        past_key_values=DynamicCache(), logits_to_keep=1)
+                        cache=DynamicCache(), logits_to_keep=1)
             done = torch.zeros(rows, dtype=torch.bool, device=device)
             position = position[:, -1:] + 1
             for step in range(sampling.max_new):
@@ -136,7 +136,7 @@ def sample(model, prompt_ids: list[list[int]], *, sampling: Sampling, pad_id: in
                     break
                 attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=device)], 1)
                 out = model(input_ids=token[:, None], attention_mask=attention, position_ids=position, use_cache=True,
-                            past_key_values=out.past_key_values)
+                            cache=out.cache)  # transformers 5's name (past_key_values is deprecated)
                 position = position + 1
     finally:
         model.train(was_training)
