@@ -16,20 +16,23 @@ from .crash import log_to_run
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite FILE if it exists.")
 @click.option("--remote", is_flag=True, help="Add a commented [remote] section (the limits `lodger submit` needs).")
-@click.option("--objective", type=click.Choice(["sft", "dpo", "orpo", "kto"]), default="sft", show_default=True,
-              help="What the job learns from: supervised chats, or preference pairs (dpo, orpo) or labelled "
-                   "completions (kto); docs/preference.md.")
+@click.option("--objective", type=click.Choice(["sft", "dpo", "orpo", "kto", "grpo"]), default="sft",
+              show_default=True,
+              help="What the job learns from: supervised chats, preference pairs (dpo, orpo), labelled "
+                   "completions (kto; docs/preference.md), or rewards a program computes (grpo; docs/grpo.md).")
 def init(file: Path, force: bool, remote: bool, objective: str) -> None:
     """Write a commented job file that runs as written.
 
     Beside it go the bundled demo data (train.jsonl and eval.jsonl; with --objective, preference
-    pairs or, for kto, the pairs as good and bad completions) unless files of those names are
-    already there. Edit the file, then train with `lodger run FILE`.
+    pairs or, for kto, the pairs as good and bad completions; for grpo, arithmetic prompts with
+    their answers and verifier.py, the reward function that checks them) unless files of those
+    names are already there. Edit the file, then train with `lodger run FILE`.
 
     \b
     Example: lodger init my-job.toml
              lodger init my-job.toml --remote
              lodger init dpo-job.toml --objective dpo
+             lodger init grpo-job.toml --objective grpo
     """
     from ..jobfile import example_job
 
@@ -48,6 +51,12 @@ def _demo_data(folder: Path, objective: str) -> tuple[str, str]:
     from importlib import resources
 
     demo = resources.files("lodger") / "demo"
+    if objective == "grpo":  # prompts with answers, and the verifier the job names as its reward
+        for source, name in (("grpo.jsonl", "grpo.jsonl"), ("grpo_eval.jsonl", "grpo_eval.jsonl"),
+                             ("verifier.py", "verifier.py")):
+            if not (folder / name).exists():
+                (folder / name).write_text((demo / source).read_text(encoding="utf-8"), encoding="utf-8")
+        return "grpo.jsonl", "grpo_eval.jsonl"
     sources = {"sft": ("train.jsonl", "eval.jsonl")}.get(objective, ("preference.jsonl", "preference_eval.jsonl"))
     names = sources if objective != "kto" else ("kto.jsonl", "kto_eval.jsonl")
     for source, name in zip(sources, names):
