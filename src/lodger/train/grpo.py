@@ -91,12 +91,10 @@ class GRPO:
         self.progress = progress  # an eval's rewards are told the step it follows
         self.epsilon_low, self.epsilon_high = grpo.epsilon, grpo.epsilon_high or grpo.epsilon
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        ends = {tokenizer.eos_token_id}
-        self.ends = {e for e in ends if e is not None}
-        ends = frozenset(self.ends)
-        self.sampling = Sampling(grpo.max_completion_length, ends, temperature=grpo.temperature, top_k=grpo.top_k,
-                                 top_p=grpo.top_p)
-        self.greedy = Sampling(grpo.max_completion_length, ends, greedy=True)
+        self.ends: frozenset[int] = frozenset(e for e in (tokenizer.eos_token_id,) if e is not None)
+        self.sampling = Sampling(grpo.max_completion_length, self.ends, temperature=grpo.temperature,
+                                 top_k=grpo.top_k, top_p=grpo.top_p)
+        self.greedy = Sampling(grpo.max_completion_length, self.ends, greedy=True)
         self.kept: Kept | None = None
         self.totals: tuple[float, ...] = (1.0,)
         self.samples: list[dict] = []

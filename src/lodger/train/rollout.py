@@ -148,7 +148,7 @@ def sample(model, prompt_ids: list[list[int]], *, sampling: Sampling, pad_id: in
 
 
 def layout(prompt_ids: list[list[int]], completions: list[list[int]], pad_id: int, mask_truncated: bool,
-           limit: int, ends: set[int]) -> dict[str, torch.Tensor]:
+           limit: int, ends: "set[int] | frozenset[int]") -> dict[str, torch.Tensor]:
     """The loss's batch: each row its prompt then its completion, right-padded; ``mask`` marks the
     positions whose next token is a completion token that counts; ``lengths``, ``truncated``."""
     width = max(len(p) + len(c) for p, c in zip(prompt_ids, completions))
