@@ -73,7 +73,7 @@ loss_type = "dapo"
 [[rewards]]
 kind = "python"
 file = "{VERIFIER}"
-function = "number_only"
+function = "right_number"
 """)
     return path
 
@@ -120,7 +120,7 @@ def trl_child(steps: int, out: Path) -> None:
             disable_tqdm=True, seed=common.SEED, bf16=False, gradient_checkpointing=False)
         peft = LoraConfig(r=common.RANK, lora_alpha=common.ALPHA, lora_dropout=0.0, target_modules=list(common.TARGETS),
                           bias="none", task_type="CAUSAL_LM")
-        trainer = GRPOTrainer(model=model, reward_funcs=[verifier.number_only], args=args,
+        trainer = GRPOTrainer(model=model, reward_funcs=[verifier.right_number], args=args,
                               train_dataset=Dataset.from_list(ordered), processing_class=tokenizer, peft_config=peft,
                               callbacks=[Stamps()])
         trainer.train()

@@ -153,11 +153,12 @@ REMOTE_EXAMPLE = {"wall_hours": 4.0, "gpu_hours": 4.0, "cost": 10.0, "nodes": 1}
 # bundled prompts rises within minutes on two cores (docs/grpo.md has the measured run).
 GRPO_DEMO: dict[str, Any] = {
     "method": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-    "training": {"steps": 40, "batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 2, "eval_every": 20,
+    "training": {"steps": 40, "batch_size": 4, "learning_rate": 3e-4, "warmup_steps": 2, "eval_every": 20,
                  "log_every": 1},
     "max_length": 64,
     "grpo": {"num_generations": 4, "max_completion_length": 16},
-    "rewards": [{"kind": "python", "file": "verifier.py", "function": "number_only"}]}
+    "rewards": [{"kind": "python", "file": "verifier.py", "function": "right_number"},
+                {"kind": "format", "name": "bare", "pattern": r"-?\d+\.?", "weight": 0.25}]}
 
 
 def _grpo_sections() -> list[str]:
@@ -176,7 +177,7 @@ def _grpo_sections() -> list[str]:
     out += ["", f"# {' '.join((JobConfig.model_fields['rewards'].description or '').split())}",
             "# " + " ".join((RewardConfig.model_fields["kind"].description or "").split())]
     for table in GRPO_DEMO["rewards"]:
-        out += ["[[rewards]]"] + [f"{k} = {toml_value(v)}" for k, v in table.items()]
+        out += ["[[rewards]]"] + [f"{k} = {toml_value(v)}" for k, v in table.items()] + [""]
     out += ['# [[rewards]]', '# kind = "answer"   # the completion\'s last number against the line\'s "answer"',
             "# weight = 1.0"]
     return out

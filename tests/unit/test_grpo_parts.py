@@ -264,12 +264,15 @@ def test_init_writes_a_grpo_job_that_loads_with_its_prompts_and_verifier(tmp_pat
     assert result.exit_code == 0, result.output
     job = load_job(tmp_path / "grpo.toml")
     assert job.method.objective == "grpo" and job.grpo.num_generations >= 2
-    assert [r.label() for r in job.rewards] == ["number_only"] and job.rewards[0].file == tmp_path / "verifier.py"
+    assert [r.label() for r in job.rewards] == ["right_number", "bare"]
+    assert job.rewards[0].file == tmp_path / "verifier.py"
     rows = read_jsonl(job.data.train, check_row).rows
     assert len(rows) == 256 and all("answer" in r for r in rows)
-    rewards = _rewards(tmp_path, (tmp_path / "verifier.py").read_text(), "number_only")
+    from lodger.rewards import Rewards
+
+    rewards = Rewards(job.rewards, job.grpo)
     truth = rows[0]["answer"]
     said = [[{"role": "assistant", "content": text}] for text in (truth, f"It is {truth}", "no idea", "-1000")]
     table = rewards.score([rows[0]["prompt"]] * 4, said, [[1]] * 4, {"answer": [truth] * 4}, [1] * 4, 0)
     rewards.close()
-    assert [row[0] for row in table] == [1.0, 0.5, 0.0, 0.5]  # right and bare, right, neither, bare
+    assert table == [[1.0, 1.0], [1.0, 0.0], [0.0, 0.0], [0.0, 1.0]]  # right and bare, right, neither, bare

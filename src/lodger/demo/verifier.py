@@ -1,13 +1,10 @@
 import re
 
 
-def number_only(prompts, completions, answer, **kwargs):
-    """Half for the right number (the reply's last number), half for replying with a number and nothing else."""
+def right_number(prompts, completions, answer, **kwargs):
+    """1 when the reply's last number is the line's answer, else 0 (TRL's reward signature)."""
     scores = []
     for completion, truth in zip(completions, answer):
-        text = completion[0]["content"].strip()
-        numbers = re.findall(r"-?\d+", text)
-        right = 0.5 if numbers and numbers[-1] == truth else 0.0
-        bare = 0.5 if re.fullmatch(r"-?\d+\.?", text) else 0.0
-        scores.append(right + bare)
+        numbers = re.findall(r"-?\d+", completion[0]["content"])
+        scores.append(1.0 if numbers and numbers[-1] == truth else 0.0)
     return scores
