@@ -172,8 +172,8 @@ def measure_child() -> None:
     import torch
 
     from .config import JobConfig
-    from .model import adapter_files, attach_method, load_base_model, load_tokenizer
-    from .train.optim import build_optimizer, optimizer_files
+    from .model import attach_method, load_base_model, load_tokenizer
+    from .train.optim import build_optimizer
     from .train.precision import Precision
     from .train.objective import make_objective
     from .train.step import micro_step, optimizer_step
@@ -236,19 +236,26 @@ def measure_child() -> None:
         step_peaks.append(_proc_status("VmHWM"))
         phases[f"step{len(step_peaks)}"] = _proc_status("VmRSS")
     phases["file"] = _proc_status("RssFile")
-    # A checkpoint as train/checkpointer.py writes it: streamed from the tensors' memory.
-    import tempfile
-
-    from .checkpoint import CheckpointStore
-
-    with tempfile.TemporaryDirectory(prefix="lodger-measure-") as scratch:
-        saved = CheckpointStore(Path(scratch) / "checkpoints", keep_last=2).save(
-            1, {**adapter_files(model, job.method), **optimizer_files(optimizer)})
-        phases["checkpoint_bytes"] = sum(f.stat().st_size for f in saved.iterdir())
+    phases["checkpoint_bytes"] = _write_checkpoint(model, job, optimizer)
     phases["after_checkpoint"] = _proc_status("VmHWM")
     print("MEASURED " + json.dumps({"peak_bytes": _proc_status("VmHWM"), "import_bytes": import_bytes,
                                     "step_peaks": step_peaks, "step_seconds": step_seconds,
                                     "phases": phases}), flush=True)
+
+
+def _write_checkpoint(model, job: "JobConfig", optimizer) -> int:
+    """Bytes of a checkpoint written as train/checkpointer.py writes it (streamed from the tensors'
+    memory), in a scratch folder removed afterwards."""
+    import tempfile
+
+    from .checkpoint import CheckpointStore
+    from .model import adapter_files
+    from .train.optim import optimizer_files
+
+    with tempfile.TemporaryDirectory(prefix="lodger-measure-") as scratch:
+        saved = CheckpointStore(Path(scratch) / "checkpoints", keep_last=2).save(
+            1, {**adapter_files(model, job.method), **optimizer_files(optimizer)})
+        return sum(f.stat().st_size for f in saved.iterdir())
 
 
 def _grpo_objective(job: "JobConfig", model, tokenizer, precision, seq: int, generator):

@@ -86,12 +86,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     """
     shape = model_shape(model_config)
     cfg, method = job.training, job.method
-    seq = int(seq_len or job.data.max_length)
-    # A preference micro-batch holds two sequences per pair (KTO one, its KL forward keeping nothing)
-    batch = cfg.batch_size * sequences_per_example(method)
-    grpo = job.grpo if method.objective == "grpo" else None
-    if grpo is not None:  # G completions of each prompt, each as long as it may get: the widest step
-        batch, seq = cfg.batch_size * grpo.num_generations, seq + grpo.max_completion_length
+    batch, seq = micro_batch_shape(job, int(seq_len or job.data.max_length))
     tokens = batch * seq
     precision = mode(cfg.precision)
     half = precision.autocast
@@ -135,13 +130,9 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     # DPO/KTO's reference: two fp32 log-probabilities per example, kept by every process. Its pass
     # (before step 1, no gradients) peaks below a training step and needs no copy of the weights.
     reference = {"reference": 2 * 4 * (examples or 0)} if method.objective in ("dpo", "kto") else {}
-    if grpo is not None:
-        sampling, kept = grpo_items(shape, job, batch, seq, precision)
-        reference = {"generation": sampling, "rollouts": kept}
-        if method.kind == "full" and grpo.beta > 0:  # the KL term's reference: a frozen copy of the base
-            reference["reference_model"] = MASTER_BYTES * total
-        # Sampling ends before the loss's forward begins: the larger of the two is the step's peak.
-        overlap += min(sampling, activations + loss)
+    if method.objective == "grpo":  # sampling ends before the loss's forward: the larger of the two counts
+        reference = grpo_items(shape, job, batch, seq, precision)
+        overlap += min(reference["generation"], activations + loss)
     items = {"runtime": runtime, "weights": weights, "gradients": gradients, "optimizer": optimizer,
              "activations": activations, "logits_and_loss": loss, "checkpoint": checkpoint,
              "buffers": buffers, "allocator": allocator, **reference}
@@ -161,17 +152,32 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     return est
 
 
-def grpo_items(shape: Shape, job: "JobConfig", rows: int, seq: int, precision) -> tuple[float, float]:
-    """(sampling, kept rollouts) in bytes for GRPO micro-batches of ``rows`` completions ``seq``
-    positions wide (prompt and completion). Sampling: the KV cache (keys and values of every
-    layer, in the compute dtype) and one decode step's logits, their processed copy and the
-    sampling probabilities. Kept: each micro-batch's laid-out rows (ids and attention as int64,
-    the loss mask, the log-probabilities at sampling time and under the reference, fp32) for the
-    whole step, and with num_iterations > 1 until the next sampling."""
+def micro_batch_shape(job: "JobConfig", seq: int) -> tuple[int, int]:
+    """(rows, positions) of a micro-batch whose longest example is ``seq`` tokens: a preference
+    pair is two sequences (KTO one, its KL forward keeping nothing); a GRPO prompt is G completions
+    as long as they may get (the widest step)."""
+    if job.method.objective == "grpo" and job.grpo is not None:
+        return job.training.batch_size * job.grpo.num_generations, seq + job.grpo.max_completion_length
+    return job.training.batch_size * sequences_per_example(job.method), seq
+
+
+def grpo_items(shape: Shape, job: "JobConfig", rows: int, seq: int, precision) -> dict[str, float]:
+    """GRPO's own items, in bytes, for micro-batches of ``rows`` completions ``seq`` positions wide
+    (prompt and completion). ``generation``: the KV cache (keys and values of every layer, in the
+    compute dtype) and one decode step's logits, their processed copy and the sampling
+    probabilities. ``rollouts``: each micro-batch's laid-out rows (ids and attention as int64, the
+    loss mask, the log-probabilities at sampling time and under the reference, fp32) for the whole
+    step, and with num_iterations > 1 until the next sampling. ``reference_model``: full
+    fine-tuning with a KL term keeps a frozen fp32 copy of the base."""
+    grpo = job.grpo
+    assert grpo is not None
     kv = 2 * shape.layers * shape.kv_dim * rows * seq * precision.value_bytes
     decode = 3 * rows * shape.vocab * 4
-    per_position = 8 + 8 + 4 + (4 if job.grpo.num_iterations > 1 else 0) + (4 if job.grpo.beta > 0 else 0)
-    return kv + decode, per_position * rows * seq * job.training.grad_accum
+    per_position = 8 + 8 + 4 + (4 if grpo.num_iterations > 1 else 0) + (4 if grpo.beta > 0 else 0)
+    items = {"generation": kv + decode, "rollouts": per_position * rows * seq * job.training.grad_accum}
+    if job.method.kind == "full" and grpo.beta > 0:
+        items["reference_model"] = MASTER_BYTES * shape.total_params
+    return items
 
 
 def sequences_per_example(method) -> int:

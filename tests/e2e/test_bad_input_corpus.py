@@ -432,6 +432,59 @@ def preference_beta_with_sft(w):
     return ["run", job], [str(job), "beta = 0.5 does nothing with objective = 'sft'", "remove it"]
 
 
+# -- GRPO: prompts, rewards, [grpo] ---------------------------------------------------------------
+
+def _grpo_job(w, lines: list[dict] | None = None, rewards: list[dict] | None = None, **extra):
+    """A GRPO job on two good prompt lines then ``lines``, with ``rewards`` (default: the answer reward)."""
+    path = w.tmp / "prompts.jsonl"
+    good = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": [{"role": "user", "content": "2 + 2?"}],
+                                                         "answer": "4"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in good + (lines or [])))
+    job = w.job(train=path, eval=None, eval_fraction=0.0, extra={"method": {"objective": "grpo"}, **extra})
+    tables = "".join("\n[[rewards]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in r.items())
+                     for r in (rewards if rewards is not None else [{"kind": "answer"}]))
+    job.write_text(job.read_text() + tables)
+    return job, path
+
+
+@case
+def grpo_reward_function_missing(w):
+    (w.tmp / "rewards.py").write_text("def other(prompts, completions, **kwargs):\n    return []\n")
+    job, _ = _grpo_job(w, rewards=[{"kind": "python", "file": "rewards.py", "function": "score"}])
+    return ["run", job], ["[[rewards]] score", "defines no `score` (its functions: other)"]
+
+
+@case
+def grpo_reward_function_without_kwargs(w):
+    (w.tmp / "rewards.py").write_text("def score(prompts, completions):\n    return []\n")
+    job, _ = _grpo_job(w, rewards=[{"kind": "python", "file": "rewards.py", "function": "score"}])
+    return ["run", job], ["[[rewards]] score", "must accept **kwargs", "def score(prompts, completions, **kwargs):"]
+
+
+@case
+def grpo_one_generation(w):
+    job, _ = _grpo_job(w, grpo={"num_generations": 1})
+    return ["run", job], [str(job), "[grpo] num_generations = 1", "fix:"]
+
+
+@case
+def grpo_with_packing(w):
+    job, _ = _grpo_job(w, training={"packing": True})
+    return ["run", job], [str(job), "packing = true", "set packing = false"]
+
+
+@case
+def grpo_prompt_longer_than_max_length(w):
+    job, data = _grpo_job(w, [{"prompt": "count " * 200, "answer": "1"}])
+    return ["run", job], [str(data), "1 of 3 prompt(s) are longer than [data] max_length = 64", "lines 3"]
+
+
+@case
+def grpo_prompt_line_without_prompt(w):
+    job, data = _grpo_job(w, [{"question": "1 + 1?"}])
+    return ["run", job], [f"{data}:3", 'missing "prompt"']
+
+
 @case
 def preference_with_federated_rounds(w):
     job, _ = _preference_job(w, "dpo", [], extra={"federated": {"rounds": 2}})

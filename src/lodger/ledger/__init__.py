@@ -20,6 +20,7 @@ from typing import Any, Iterable
 from .. import durable
 from ..errors import LedgerError, RunNotFound
 from ..home import ledger_path
+from .connection import connect
 from . import records
 from .migrations import MIGRATIONS
 from .records import RecordProblem, metrics_digest, sha256_text
@@ -51,11 +52,7 @@ class Ledger:
     def __init__(self, path: Path | None = None):
         self.path = Path(path or ledger_path())
         try:
-            self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            self.db.row_factory = sqlite3.Row
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=FULL")  # a commit lasts once it returns: docs/power-cut.md, 7
-            self.db.execute("PRAGMA busy_timeout=30000")
+            self.db = connect(self.path)
             self._migrate()
         except sqlite3.DatabaseError as exc:
             if _is_full(exc):
