@@ -366,8 +366,18 @@ def _start_segment(session: Session, ledger: Ledger, *, resuming: bool) -> None:
 
 
 def _record_end(session: Session, ledger: Ledger, status: str) -> None:
-    run_id, reporter, step, control = session.run_id, session.recorder.reporter, session.progress.step, session.control
+    control = session.control
     compute = session.meter.read()
+    try:
+        _record_status(session, ledger, status, compute)
+    finally:
+        if session.feed is not None:  # [report] to: the trackers get the run as the ledger ended it
+            session.feed.close()
+    control.announce(status)
+
+
+def _record_status(session: Session, ledger: Ledger, status: str, compute) -> None:
+    run_id, reporter, step, control = session.run_id, session.recorder.reporter, session.progress.step, session.control
     if status == "finished":
         adapter = session.write_adapter()
         ledger.update_run(run_id, pid=None)
@@ -385,7 +395,6 @@ def _record_end(session: Session, ledger: Ledger, status: str) -> None:
         ledger.update_run(run_id, pid=None)
         ledger.set_status(run_id, "interrupted", step=step, reason=control.stop, compute=compute)
         reporter.message(f"interrupted ({control.stop}) at step {step}; continue with `lodger resume {run_id}`")
-    control.announce(status)
 
 
 def _reporter(session: Session, quiet: bool):

@@ -1,4 +1,4 @@
-"""A run's numbers where TensorBoard and MLflow read them, from what the ledger committed.
+"""A run's numbers where TensorBoard, MLflow and Trackio read them, from what the ledger committed.
 
 The ledger stays the truth; a tracker is a copy made from it: every train and eval record the
 ledger holds (each numeric field under its metrics.jsonl name), the job's hyper-parameters and the
@@ -11,9 +11,13 @@ added beside the first:
 - MLflow: the run tagged ``lodger.run_id`` gets only the steps after its last one while what it
   holds is the ledger's; when the ledger has replaced a step it holds, that MLflow run is deleted
   and written again.
+- Trackio (TRL's recommended tracker, local-first): its run named after lodger's is deleted and
+  logged again whole at each export, in its own SQLite store under ``$LODGER_HOME/trackers/
+  trackio`` (``TRACKIO_DIR``), which `trackio show` serves.
 
-Writers: tensorboardX (protobuf and numpy, no torch or TensorFlow) and mlflow-skinny on a local
-SQLite store by default. Both are optional (`pip install 'lodger[trackers]'`).
+Writers: tensorboardX (protobuf and numpy, no torch or TensorFlow), mlflow-skinny on a local
+SQLite store by default, and trackio. All optional (`pip install 'lodger[trackers]'`). A job's
+`[report] to` sends its run after every checkpoint while it trains (report_feed.py).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .errors import LodgerError
 from .home import home
 from .ledger import Ledger
 
-TRACKERS = ("tensorboard", "mlflow")
+TRACKERS = ("tensorboard", "mlflow", "trackio")
 SKIPPED = ("kind", "step", "time", "segment")
 MLFLOW_BATCH = 1000  # MLflow takes at most 1000 metrics in one log_batch
 
@@ -161,6 +165,36 @@ def to_mlflow(record: RunRecord, uri: str, experiment: str = "lodger") -> str:
     return f"mlflow: run {target} in experiment {experiment!r} at {uri}: {how}"
 
 
+def to_trackio(record: RunRecord, folder: Path, project: str = "lodger") -> str:
+    """Log the run into Trackio's store in ``folder`` (its TRACKIO_DIR), replacing what an earlier
+    export of it logged: Trackio appends only, so a replaced step could otherwise show twice."""
+    os.environ["TRACKIO_DIR"] = str(folder)  # read when trackio is first imported
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from . import durable
+
+    durable.make_dirs(Path(folder))
+    if Path(trackio.TRACKIO_DIR) != Path(folder):
+        raise LodgerError(f"trackio was imported with TRACKIO_DIR={trackio.TRACKIO_DIR}, not {folder}")
+    name = record.run["id"]
+    if name in SQLiteStorage.get_runs(project):
+        SQLiteStorage.delete_run(project, name)
+    trackio.init(project=project, name=name, config=flat_job(record.job), resume="never", embed=False,
+                 auto_log_cpu=False, auto_log_gpu=False)
+    steps: dict[int, dict[str, float]] = {}
+    for field, points in record.points().items():
+        for step, value, _ in points:
+            steps.setdefault(step, {})[field] = value
+    try:
+        for step in sorted(steps):
+            trackio.log(steps[step], step=step)
+    finally:
+        trackio.finish()  # flushes its batching thread into the store
+    return f"trackio: {sum(len(v) for v in steps.values())} values in project {project!r} at {folder} " \
+           f"(TRACKIO_DIR={folder} trackio show)"
+
+
 def export(run_id: str, to: list[str], folder: Path | None = None,
            uri: str | None = None) -> list[tuple[str, bool, str]]:
     """Send ``run_id`` to each tracker in ``to``: [(tracker, worked, what it did or its error)].
@@ -175,6 +209,8 @@ def export(run_id: str, to: list[str], folder: Path | None = None,
         try:
             if tracker == "tensorboard":
                 done = to_tensorboard(record, Path(folder or default_folder()) / "tensorboard")
+            elif tracker == "trackio":
+                done = to_trackio(record, Path(folder or default_folder()) / "trackio")
             else:
                 done = to_mlflow(record, mlflow_uri(uri))
             results.append((tracker, True, done))

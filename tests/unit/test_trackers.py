@@ -96,3 +96,18 @@ def test_a_tracker_that_fails_is_a_warning_and_an_event_and_the_others_are_writt
     with Ledger() as ledger:
         failed = ledger.last_event("job-1", "tracker_failed")
     assert failed and failed["data"]["tracker"] == "mlflow"
+
+
+def test_trackio_reads_every_step_once_with_the_ledgers_values_after_a_resume(killed_and_resumed, tmp_path):
+    results = export("job-1", ["trackio"], tmp_path)  # sent while steps 5-6 were the first process's
+    assert results[0][1], results
+    _redo(range(5, 9), shift=0.5)
+    results = export("job-1", ["trackio"], tmp_path)
+    assert results[0][1], results
+    from trackio.sqlite_storage import SQLiteStorage  # Trackio's own reader of its store
+
+    logs = SQLiteStorage.get_logs("lodger", "job-1")
+    got = [(row["step"], row["loss"]) for row in logs if "loss" in row]
+    assert got == _ledger_points("loss")  # steps 1-8 once each, 5-6 with the redone values
+    assert [(row["step"], row["eval_loss"]) for row in logs if "eval_loss" in row] == _ledger_points("eval_loss", "eval")
+    assert SQLiteStorage.get_runs("lodger") == ["job-1"]

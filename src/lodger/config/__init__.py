@@ -22,6 +22,7 @@ from .grpo import GRPOConfig, RewardConfig
 from .model import DataConfig, MethodConfig, ModelConfig
 from .owner import USER_ONLY_SECTIONS, USER_SECTIONS, AgentSettings, DatasetPolicyConfig, LimitsConfig, PolicyConfig  # noqa: F401
 from .remote import FederatedConfig, FederatedPrivacyConfig, RemoteConfig  # noqa: F401
+from .report import ReportConfig
 from .training import CheckpointConfig, GuardConfig, TrainingConfig
 
 
@@ -48,6 +49,8 @@ class JobConfig(Section):
     """Limits that must be declared before the job may move to remote compute (`lodger submit`)."""
     federated: FederatedConfig | None = None
     """Present: the job runs as a federated Flower app (`lodger federate`, `lodger submit --federated`)."""
+    report: ReportConfig = Field(default_factory=ReportConfig)
+    """Trackers the run's numbers go to while it trains (TensorBoard, MLflow, Trackio; docs/ui.md)."""
     grpo: GRPOConfig | None = None
     """[method] objective = "grpo" only: how completions are sampled and the loss is taken (left out: the defaults)."""
     rewards: list[RewardConfig] = Field(default_factory=list)

@@ -18,9 +18,10 @@ class Checkpointer:
     """``holders``: the ordered map of named state holders; ``facts`` the one that checks what the
     checkpoint was trained on (its ``drift`` is what ``restore`` returns)."""
 
-    def __init__(self, run_id: str, store, holders: dict, facts, sync, recorder, ledger, meter):
+    def __init__(self, run_id: str, store, holders: dict, facts, sync, recorder, ledger, meter, feed=None):
         self.run_id, self.store, self.holders, self.facts = run_id, store, holders, facts
         self.sync, self.recorder, self.ledger, self.meter = sync, recorder, ledger, meter
+        self.feed = feed  # [report] to: the trackers, told of each commit (report_feed.py), or None
 
     # -- saving ------------------------------------------------------------------------------
     def save(self, skip_if_exists: bool = False) -> Path:
@@ -53,6 +54,8 @@ class Checkpointer:
                               seconds=round(seconds, 4), compute=self.meter.read())
         durable.fault_point("checkpoint_after_ledger")
         self.recorder.pending = []
+        if self.feed is not None:
+            self.feed.committed()
         self.recorder.message(f"checkpoint step {progress.step} committed in {seconds:.2f} s "
                               f"({size / 2**20:.1f} MiB)")
         self.sync.barrier()

@@ -187,6 +187,16 @@ def build_recorder(run_id: str, folder: Path, ledger, control, progress: Progres
     return recorder
 
 
+def build_feed(job, run_id: str, *, writes: bool):
+    """[report] to: the trackers told of each checkpoint's commit (report_feed.py), on the process
+    that records the run; None when there are none."""
+    if not job.report.to or not writes:
+        return None
+    from ..report_feed import TrackerFeed
+
+    return TrackerFeed(run_id, job.report)
+
+
 def build_rewards(job, control):
     """GRPO's reward functions (rewards/), waiting on them answering the owner's hold or release."""
     if job.method.objective != "grpo":
@@ -260,8 +270,9 @@ class Session:
                                 sync=self.sync, progress=self.progress, recorder=self.recorder, guard=self.guard,
                                 precision=self.precision, train_set=self.train_set, eval_set=self.eval_set,
                                 objective=self.objective)
+        self.feed = build_feed(job, run_id, writes=ledger is not None and self.sync.writes)
         self.checkpointer = Checkpointer(run_id, self.store, state, facts, self.sync, self.recorder, ledger,
-                                         self.meter)
+                                         self.meter, self.feed)
         self.state = TrainState(
             training=job.training, every_steps=job.checkpoints.every_steps, model=self.model,
             optimizer=self.optimizer, precision=self.precision, guard=self.guard, planner=self.planner,
