@@ -191,6 +191,9 @@ function plot(where, title, labels, data, total) {
     document.getElementById(where).append(box);
     const opts = {
       width: chartWidth(), height: 180, scales: { x: { time: false } }, legend: { live: true },
+      // uPlot's default ticks round to a few decimals: a learning rate of 2e-4 read 0.000 (three significant digits here)
+      axes: [{}, { values: (u, ticks) => ticks.map((v) => (v === 0 || (Math.abs(v) >= 0.01 && Math.abs(v) < 1e5)
+        ? String(+v.toPrecision(3)) : v.toExponential(1))), size: 56 }],
       series: [{ label: "step" }, ...labels.map((label, i) => ({ label, stroke: COLORS[i % COLORS.length], width: 1.4, spanGaps: true,
         points: { show: label.includes("eval") } }))],
     };
