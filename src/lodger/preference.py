@@ -33,7 +33,8 @@ FIELDS = {"dpo": ("prompt", "chosen", "rejected"), "orpo": ("prompt", "chosen", 
           "kto": ("prompt", "completion", "label")}
 
 
-def _messages_problem(value: object, key: str, roles: Sequence[str]) -> str | None:
+def messages_problem(value: object, key: str, roles: Sequence[str]) -> str | None:
+    """Why ``value`` is not a non-empty list of messages with those roles (prompts.py reads prompts with it too)."""
     if not isinstance(value, list) or not value:
         return f'"{key}" must be a non-empty string or a non-empty list of messages'
     for i, message in enumerate(value):
@@ -73,7 +74,7 @@ def row_checker(objective: str) -> Callable[[object], str | None]:
                 return f'"{empty[0]}" is empty'
         else:
             for f in texts:
-                why = _messages_problem(row[f], f, ROLES if f == "prompt" else ("assistant",))
+                why = messages_problem(row[f], f, ROLES if f == "prompt" else ("assistant",))
                 if why:
                     return why
         if objective in PAIRED and row["chosen"] == row["rejected"]:

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from . import durable
 from .data import ROLES, DataFile
 from .errors import DataError
+from .preference import messages_problem
 from .home import cache_dir
 
 FORMAT_VERSION = 1
@@ -41,15 +42,9 @@ def check_row(row: object) -> str | None:
     prompt = row["prompt"]
     if isinstance(prompt, str):
         return None if prompt.strip() else '"prompt" is empty'
-    if not isinstance(prompt, list) or not prompt:
-        return '"prompt" must be a non-empty string or a non-empty list of messages'
-    for i, message in enumerate(prompt):
-        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
-            return f'prompt[{i}] must be an object with "role" and "content"'
-        if message.get("role") not in ROLES:
-            return f'prompt[{i}].role is {message.get("role")!r}; use one of {", ".join(ROLES)}'
-        if not isinstance(message.get("content"), str):
-            return f"prompt[{i}].content must be a string"
+    why = messages_problem(prompt, "prompt", ROLES)
+    if why:
+        return why
     if prompt[-1]["role"] == "assistant":
         return ("the prompt's last message is the assistant's: the completion is the next assistant turn; end with "
                 "a user message")
