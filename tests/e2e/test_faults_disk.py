@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from faults_helpers import audit, cont, fill, free, no_traceback, small_disk, wait_stopped
-from helpers import (checkpoint_dirs, describe, lodger_env, run_lodger, stale_entries, start_lodger, train_records)
+from helpers import (checkpoint_dirs, describe, eval_losses, final_adapter_bytes, lodger_env, run_lodger, stale_entries,
+                     start_lodger, train_records)
 
 pytestmark = pytest.mark.faults
 
@@ -81,6 +82,8 @@ def story(tmp_path_factory, standard_job: Path, baseline):
         result = run_lodger(["resume", run_id], env)
         phase = Phase(result, checkpoint_dirs(folder), stale_entries(folder), audit(home))
         phase.extra["records"] = train_records(folder)
+        phase.extra["evals"] = eval_losses(folder)
+        phase.extra["adapter"] = final_adapter_bytes(folder) if (folder / "adapter").is_dir() else None
         phase.extra["recorded_steps"] = _recorded_checkpoints(home, run_id)
         phases["resume"] = phase
         # 4. an export into the full disk, then with room
@@ -144,11 +147,14 @@ def test_full_disk_during_a_ledger_write_rolls_it_back_whole_and_names_the_ledge
 
 
 def test_resume_once_space_is_freed_finishes_bitwise_equal_with_the_ledger_complete(story):
-    """resume exits 0; every step's loss equals the uninterrupted run's; ledger records step 8; audit clean"""
+    """resume exits 0; every step's record, every eval loss and the adapter's bytes equal the
+    uninterrupted run's; ledger records step 8; audit clean"""
     phase, baseline = story["phases"]["resume"], story["baseline"]
     assert phase.result.returncode == 0, describe(phase.result)
     assert "ledger completed from the run folder" in phase.result.stdout, describe(phase.result)
     assert phase.extra["records"] == baseline.records
+    assert phase.extra["evals"] == baseline.evals and baseline.evals, (phase.extra["evals"], baseline.evals)
+    assert phase.extra["adapter"] == baseline.adapter, "the final adapter differs from the uninterrupted run's"
     assert 8 in phase.extra["recorded_steps"] and phase.extra["recorded_steps"][-1] == 24
     assert phase.audit.returncode == 0, describe(phase.audit)
 

@@ -53,12 +53,18 @@ def _tree(folder: Path) -> dict[str, bytes]:
 
 
 def _ledger_rows(home: Path) -> tuple:
+    """Every table's schema and every row of it, as SQL (events, runs, metrics, the queue, datasets,
+    the chain head...): an unchanged ledger has the same, where counting events would miss a row
+    updated, or one written outside the chain (a run's pid, say)."""
     import sqlite3
 
     if not (home / "ledger.db").exists():
         return ()
-    with sqlite3.connect(f"file:{home / 'ledger.db'}?mode=ro", uri=True) as db:
-        return tuple(db.execute("SELECT COUNT(*) FROM events").fetchone())
+    db = sqlite3.connect(f"file:{home / 'ledger.db'}?mode=ro", uri=True)
+    try:
+        return tuple(db.iterdump())
+    finally:
+        db.close()
 
 
 def _gguf(path: Path, cut: int) -> Path:

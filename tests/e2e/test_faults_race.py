@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from faults_helpers import assert_audit_clean, cont, wait_stopped
-from helpers import (describe, killed_by_sigkill, lodger_env, run_lodger, show, start_lodger, train_records,
-                     wait_until)
+from helpers import (describe, eval_losses, final_adapter_bytes, killed_by_sigkill, lodger_env, run_lodger, show,
+                     start_lodger, train_records, wait_until)
 
 pytestmark = pytest.mark.faults
 
@@ -38,6 +38,13 @@ def _frozen(args, home: Path, fault: str, logs: Path):
 def _finish(proc, timeout: float = 300) -> int:
     cont(proc.proc.pid)
     return proc.wait(timeout=timeout)
+
+
+def assert_bitwise_equal(folder: Path, baseline) -> None:
+    """Every step's record, every eval loss and the final adapter's bytes as the uninterrupted run's."""
+    assert train_records(folder) == baseline.records
+    assert eval_losses(folder) == baseline.evals and baseline.evals, (eval_losses(folder), baseline.evals)
+    assert final_adapter_bytes(folder) == baseline.adapter, "the final adapter differs from the uninterrupted run's"
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +101,10 @@ def test_a_resume_that_checked_before_another_finished_the_run_does_nothing(resu
 
 
 def test_the_one_resume_that_won_finishes_bitwise_equal_and_the_ledger_audits_clean(resumes, baseline):
-    """the winner exits 0; every step's loss equals the uninterrupted run's; audit clean"""
+    """the winner exits 0; its records, eval losses and adapter bytes equal the uninterrupted run's; audit clean"""
     winner, code = resumes["winner"]
     assert code == 0, describe(winner)
-    folder = resumes["home"] / "runs" / resumes["run_id"]
-    assert train_records(folder) == baseline.records
+    assert_bitwise_equal(resumes["home"] / "runs" / resumes["run_id"], baseline)
     assert_audit_clean(resumes["home"])
 
 
@@ -123,7 +129,7 @@ def test_run_and_resume_racing_one_trains_and_the_other_does_nothing(standard_jo
     assert info["run"]["status"] == "finished"
     assert [e["kind"] for e in info["events"]].count("started") + \
         [e["kind"] for e in info["events"]].count("resumed") == 1
-    assert train_records(home / "runs" / run_id) == baseline.records
+    assert_bitwise_equal(home / "runs" / run_id, baseline)
     assert_audit_clean(home)
 
 

@@ -7,7 +7,10 @@ case sends what a hostile or broken client sends, with bounded loops:
 - a 50 MB body: a 413 before it is read further; the server's peak memory barely moves;
 - a prompt past the context length, `max_tokens` of 10^9, NaN, Infinity and negative
   temperatures: a 4xx each, in OpenAI's error shape;
-- 200 requests at once: each a 200 or a 429 (the queue is 8), never a 5xx or a dropped connection;
+- eight answers generating at once, then a ninth request: a 429 (the queue is 8), and the eight
+  slots come back when their clients go;
+- 200 requests at once: each a 200 or a 429, never a 5xx or a dropped connection, never more than
+  8 in flight;
 - 100 connections sending their headers a byte at a time: a normal request is answered meanwhile;
 - a second `serve` of the same run, and a server on a port in use: refused at once, saying why;
 - afterwards the server is up, nothing is in flight, the hold on training is withdrawn and the run
@@ -17,6 +20,7 @@ case sends what a hostile or broken client sends, with bounded loops:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections import Counter
@@ -50,6 +54,13 @@ def _peak_mib(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmHWM")
+
+
+def _reset_peak(pid: int) -> float:
+    """Reset the process's peak resident memory to what it holds now (``5`` into clear_refs: proc(5))
+    and return it: without this, a peak reached earlier (loading the model) hides what came after."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return _peak_mib(pid)
 
 
 def _step(folder: Path) -> int:
@@ -102,11 +113,13 @@ def served(tiny_model_dir, e2e_data, tmp_path_factory) -> Served:
 
 
 def test_a_50_mb_body_is_a_413_and_the_servers_memory_stays_bounded(served):
-    """413 request_too_large for 50 MB (Content-Length and chunked); peak memory up by under 64 MiB"""
-    server = served.server
-    before = _peak_mib(server.proc.proc.pid)
+    """413 request_too_large for 50 MB (Content-Length and chunked); each raises the peak by under 64 MiB"""
+    server, pid = served.server, served.server.proc.proc.pid
     huge = json.dumps({"model": served.run_id, "messages": [{"role": "user", "content": "a" * 50_000_000}]}).encode()
+    before = _reset_peak(pid)
     assert_error(server.post(CHAT, huge), 413, code="request_too_large")
+    grown = _peak_mib(pid) - before
+    assert grown < 64, f"the server's peak memory grew by {grown:.0f} MiB for a refused 50 MB body"
 
     def chunks():
         yield b'{"model": "base", "messages": [{"role": "user", "content": "'
@@ -114,11 +127,12 @@ def test_a_50_mb_body_is_a_413_and_the_servers_memory_stays_bounded(served):
             yield b"a" * 100_000
         yield b'"}]}'
 
+    before = _reset_peak(pid)
     chunked = httpx.post(server.url + CHAT, content=chunks(), timeout=120,
                          headers={"content-type": "application/json", **server.auth})  # no Content-Length
     assert_error(chunked, 413, code="request_too_large")
-    grown = _peak_mib(server.proc.proc.pid) - before
-    assert grown < 64, f"the server's peak memory grew by {grown:.0f} MiB for refused bodies"
+    grown = _peak_mib(pid) - before
+    assert grown < 64, f"the server's peak memory grew by {grown:.0f} MiB for a refused 50 MB chunked body"
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -148,11 +162,39 @@ def test_a_temperature_that_is_nan_infinite_or_negative_is_a_400(served, value):
     assert_error(served.server.post(CHAT, body), 400, param="temperature")
 
 
-def test_200_requests_at_once_are_each_answered_200_or_429(served):
-    """200 concurrent chats: only 200s and 429s; afterwards nothing is in flight"""
+def _in_flight(server: Server) -> int:
+    return server.get("/health").json()["in_flight"]
+
+
+def test_a_ninth_request_while_eight_answers_generate_is_a_429_and_the_slots_come_back(served, tiny_model_dir):
+    """eight streamed answers admitted: 8 in flight, a ninth chat is a 429 naming the limit; once the
+    eight clients go, nothing is in flight and a chat is answered again"""
+    server = served.server
+    eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
+    # Greedy with the end token biased away, each answer runs to its 400 tokens: seconds each, one
+    # after another (the engine generates one at a time), where sending nine requests takes a
+    # fraction of one. A stream's headers come once it is admitted; its body is not read.
+    long = {"model": served.run_id, "messages": HI, "max_tokens": 400, "temperature": 0, "stream": True,
+            "logit_bias": {str(eos): -100}}
+    short = {"model": served.run_id, "messages": HI, "max_tokens": 2}
+    with httpx.Client(timeout=120, headers=server.auth) as client, contextlib.ExitStack() as streams:
+        for _ in range(8):
+            reply = streams.enter_context(client.stream("POST", server.url + CHAT, json=long))
+            assert reply.status_code == 200, reply.read()
+        assert _in_flight(server) == 8
+        error = assert_error(server.post(CHAT, short), 429, code="rate_limit_exceeded", kind="rate_limit_error")
+        assert "8 in flight or waiting" in error["message"], error
+    # the clients went mid-answer: their generations stop and give their slots back
+    wait_until(lambda: _in_flight(server) == 0, 120, what="the abandoned streams to leave the queue", interval=0.05)
+    assert server.post(CHAT, short).status_code == 200
+
+
+def test_200_requests_at_once_are_each_answered_200_or_429_never_more_than_8_in_flight(served):
+    """200 concurrent chats: only 200s and 429s; /health never counts more than 8 in flight meanwhile;
+    afterwards nothing is in flight"""
     server = served.server
 
-    async def barrage() -> list:
+    async def barrage() -> tuple[list, list[int]]:
         limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=300, limits=limits, headers=server.auth) as client:
             async def one(n: int):
@@ -163,12 +205,27 @@ def test_200_requests_at_once_are_each_answered_200_or_429(served):
                     return reply.status_code
                 except httpx.HTTPError as exc:
                     return type(exc).__name__
-            return await asyncio.gather(*(one(n) for n in range(200)))
 
-    codes = Counter(asyncio.run(barrage()))
-    print(f"\n200 concurrent requests: {dict(codes)}")
+            seen: list[int] = []
+
+            async def watch(done: asyncio.Event) -> None:
+                while not done.is_set():
+                    seen.append((await client.get(server.url + "/health")).json()["in_flight"])
+                    await asyncio.sleep(0.01)  # polling an observed count while the barrage lasts
+
+            done = asyncio.Event()
+            watcher = asyncio.create_task(watch(done))
+            codes = await asyncio.gather(*(one(n) for n in range(200)))
+            done.set()
+            await watcher
+            return codes, seen
+
+    answered, seen = asyncio.run(barrage())
+    codes = Counter(answered)
+    print(f"\n200 concurrent requests: {dict(codes)}; in flight at most {max(seen)} of {len(seen)} looks")
     assert set(codes) <= {200, 429} and codes[200] >= 1, codes
-    wait_until(lambda: server.get("/health").json()["in_flight"] == 0, 120, what="nothing in flight")
+    assert max(seen) <= 8, f"{max(seen)} requests in flight at once; the queue is 8"
+    wait_until(lambda: _in_flight(server) == 0, 120, what="nothing in flight")
 
 
 def test_connections_held_open_byte_by_byte_do_not_stop_the_server(served):
