@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from array import array
+from itertools import accumulate
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,23 @@ class DataFile:
     rows: list[dict]
 
 
+_NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
+
+
+def text_problem(value: str, key: str) -> str | None:
+    """Why a string a tokenizer will see is not text, or None: a lone surrogate (JSON's escape of
+    half a pair: no tokenizer takes it, Hugging Face's raises a TypeError) or a NUL (text files do
+    not hold one; it is a sign of binary data, and tokenizers differ in what they make of it)."""
+    found = _NOT_TEXT.search(value)
+    if found is None:
+        return None
+    at = found.start() + 1
+    if found.group() == "\x00":
+        return f"{key} holds a NUL character (\\u0000) at character {at}; text has none (binary data?): remove it"
+    return (f"{key} holds a lone surrogate (\\u{ord(found.group()):04x}) at character {at}, half of a pair that "
+            "no tokenizer takes: write the character itself, or its pair (\\ud83d\\ude00 is one emoji)")
+
+
 def _check_row(row: object) -> str | None:
     """Why a parsed line is not a valid example, or None."""
     if not isinstance(row, dict):
@@ -42,7 +61,7 @@ def _check_row(row: object) -> str | None:
     if has_text:
         if not isinstance(row["text"], str) or not row["text"].strip():
             return '"text" must be a non-empty string'
-        return None
+        return text_problem(row["text"], '"text"')
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
         return '"messages" must be a non-empty list'
@@ -53,6 +72,9 @@ def _check_row(row: object) -> str | None:
             return f'messages[{i}].role is {message.get("role")!r}; use one of {", ".join(ROLES)}'
         if not isinstance(message.get("content"), str):
             return f'messages[{i}].content must be a string'
+        why = text_problem(message["content"], f"messages[{i}].content")
+        if why:
+            return why
     if not any(m["role"] == "assistant" and m["content"] for m in messages):
         return "a chat needs at least one non-empty assistant message (the loss is on assistant tokens)"
     return None
@@ -61,6 +83,27 @@ def _check_row(row: object) -> str | None:
 MAX_LINE_BYTES = 64 * 2**20
 """The longest line read as one example: far beyond what [data] max_length keeps of it (131072
 tokens), and what bounds the memory one line can take (a 2 GB line is refused after 64 MiB)."""
+
+
+MAX_NESTING = 100
+"""How deep a line's JSON may nest ([ and { inside each other): a chat is 3 deep. Python's decoder
+recurses once a level and ends in a RecursionError near 1000, which names no line."""
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKETS = b"[]{}"
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in _BRACKETS)
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
+
+
+def _nesting(chunk: bytes) -> int:
+    """How deep the JSON of a line nests, counted outside its strings; 0 when it has at most
+    MAX_NESTING opening brackets (it cannot nest deeper: two counts, the common case)."""
+    if chunk.count(b"[") + chunk.count(b"{") <= MAX_NESTING:
+        return 0
+    brackets = _STRING.sub(b"", chunk).translate(None, _NOT_BRACKETS)
+    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
 
 
 def _lines(fh, digest):
@@ -97,10 +140,16 @@ def _parse(path: Path, number: int, chunk: bytes, check):
                 f"{exc.start + 1} of the line); save the file as UTF-8")
     if not line.strip():
         return None
+    depth = _nesting(chunk)
+    if depth > MAX_NESTING:
+        return (f"{path}:{number}: the JSON nests {depth:,} deep ([ and {{ inside each other); lodger reads at most "
+                f"{MAX_NESTING} levels (a chat takes 3): is this line an example?")
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         return f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:  # not expected past _nesting's bound; named all the same, not a crash
+        return f"{path}:{number}: the JSON nests deeper than Python's decoder goes: is this line an example?"
     reason = check(row)
     # lodger's line number wins over a "line" key of the row's own: other keys are the user's
     # metadata and are ignored, this one is where errors and samples point.

@@ -23,7 +23,7 @@ import hashlib
 from typing import Any, Callable, Sequence
 
 from . import durable
-from .data import ROLES, DataFile
+from .data import ROLES, DataFile, text_problem
 from .errors import DataError
 from .home import cache_dir
 
@@ -44,6 +44,11 @@ def messages_problem(value: object, key: str, roles: Sequence[str]) -> str | Non
             return f'{key}[{i}].role is {message.get("role")!r}; use one of {", ".join(roles)}'
         if not isinstance(message.get("content"), str):
             return f"{key}[{i}].content must be a string"
+        for field in ("content", "name"):  # both reach the chat template
+            value = message.get(field)
+            why = text_problem(value, f"{key}[{i}].{field}") if isinstance(value, str) else None
+            if why:
+                return why
     return None
 
 
@@ -72,6 +77,10 @@ def row_checker(objective: str) -> Callable[[object], str | None]:
             empty = [f for f in texts if not row[f].strip()]
             if empty:
                 return f'"{empty[0]}" is empty'
+            for f in texts:
+                why = text_problem(row[f], f'"{f}"')
+                if why:
+                    return why
         else:
             for f in texts:
                 why = messages_problem(row[f], f, ROLES if f == "prompt" else ("assistant",))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from . import durable
-from .data import ROLES, DataFile
+from .data import ROLES, DataFile, text_problem
 from .errors import DataError
 from .preference import messages_problem
 from .home import cache_dir
@@ -41,7 +41,7 @@ def check_row(row: object) -> str | None:
         return f'"{taken[0]}" is a name the reward call uses itself; rename that field'
     prompt = row["prompt"]
     if isinstance(prompt, str):
-        return None if prompt.strip() else '"prompt" is empty'
+        return text_problem(prompt, '"prompt"') if prompt.strip() else '"prompt" is empty'
     why = messages_problem(prompt, "prompt", ROLES)
     if why:
         return why

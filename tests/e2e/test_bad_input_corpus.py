@@ -329,6 +329,35 @@ def data_invalid_utf8(w):
     return ["run", job], [f"{bad}:4: not valid UTF-8", "0xe9", "save the file as UTF-8"]
 
 
+DEEP = 100_000
+
+
+@case
+def data_json_nested_100000_deep(w):
+    job, bad = w.job_with_data(['{"text": ' + "[" * DEEP + "]" * DEEP + "}"])
+    return ["run", job], [f"{bad}:4: the JSON nests {DEEP + 1:,} deep", "at most 100", "is this line an example?"]
+
+
+@case
+def data_chat_content_with_a_lone_surrogate_and_a_nul(w):
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok \ud800 and \x00"}]}
+    job, bad = w.job_with_data([json.dumps(row)])  # ensure_ascii: the line holds the escapes \ud800 and \u0000
+    return ["run", job], [f"{bad}:4: messages[1].content holds a lone surrogate (\\ud800) at character 4",
+                          "its pair"]
+
+
+@case
+def data_text_with_a_nul(w):
+    job, bad = w.job_with_data([json.dumps({"text": "binary\x00junk"})])
+    return ["run", job], [f"{bad}:4: \"text\" holds a NUL character (\\u0000) at character 7", "remove it"]
+
+
+@case
+def data_eval_file_with_a_lone_surrogate(w):
+    bad = w.data([json.dumps({"text": "\udc80"})], name="eval.jsonl")
+    return ["run", w.job(eval=bad)], [f"{bad}:4: \"text\" holds a lone surrogate (\\udc80) at character 1"]
+
+
 @case
 def data_many_bad_lines_are_counted(w):
     job, bad = w.job_with_data(["nope"] * 12)
@@ -427,6 +456,28 @@ def preference_prompt_longer_than_max_length(w):
 
 
 @case
+def preference_chosen_with_a_lone_surrogate(w):
+    job, data = _preference_job(w, "dpo", [{"prompt": "Hi?", "chosen": "Hel\ud800lo.", "rejected": "Bye."}])
+    return ["run", job], [f"{data}:3", '"chosen" holds a lone surrogate (\\ud800) at character 4']
+
+
+@case
+def preference_message_with_a_nul(w):
+    job, data = _preference_job(w, "kto", [{"prompt": [{"role": "user", "content": "Hi\x00?"}],
+                                            "completion": [{"role": "assistant", "content": "Hello."}],
+                                            "label": True}])
+    return ["run", job], [f"{data}:3", "prompt[0].content holds a NUL character (\\u0000) at character 3"]
+
+
+@case
+def preference_json_nested_100000_deep(w):
+    job, data = _preference_job(w, "dpo", [])
+    with open(data, "a") as fh:
+        fh.write('{"prompt": "Hi?", "chosen": "a", "rejected": "b", "meta": ' + "[" * DEEP + "]" * DEEP + "}\n")
+    return ["run", job], [f"{data}:3: the JSON nests {DEEP + 1:,} deep"]
+
+
+@case
 def preference_beta_with_sft(w):
     job = w.job(extra={"method": {"beta": 0.5}})
     return ["run", job], [str(job), "beta = 0.5 does nothing with objective = 'sft'", "remove it"]
@@ -483,6 +534,27 @@ def grpo_prompt_longer_than_max_length(w):
 def grpo_prompt_line_without_prompt(w):
     job, data = _grpo_job(w, [{"question": "1 + 1?"}])
     return ["run", job], [f"{data}:3", 'missing "prompt"']
+
+
+@case
+def grpo_prompt_with_a_lone_surrogate(w):
+    job, data = _grpo_job(w, [{"prompt": "1 + \udfff?", "answer": "1"}])
+    return ["run", job], [f"{data}:3", '"prompt" holds a lone surrogate (\\udfff) at character 5']
+
+
+@case
+def grpo_prompt_message_with_a_nul(w):
+    job, data = _grpo_job(w, [{"prompt": [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "\x001 + 1?"}], "answer": "2"}])
+    return ["run", job], [f"{data}:3", "prompt[1].content holds a NUL character (\\u0000) at character 1"]
+
+
+@case
+def grpo_json_nested_100000_deep(w):
+    job, data = _grpo_job(w)
+    with open(data, "a") as fh:
+        fh.write('{"prompt": "1 + 1?", "answer": ' + "{\"a\": " * DEEP + "1" + "}" * DEEP + "}\n")
+    return ["run", job], [f"{data}:3: the JSON nests {DEEP + 1:,} deep"]
 
 
 @case

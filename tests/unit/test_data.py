@@ -115,6 +115,28 @@ def test_only_line_ends_split_lines_not_unicode_separators_inside_strings(tmp_pa
     assert [(r["line"], r["text"]) for r in rows] == [(1, "a\u2028b\x0cc"), (2, GOOD_TEXT["text"])]
 
 
+def test_brackets_inside_strings_and_wide_lists_are_not_nesting(tmp_path: Path) -> None:
+    """500 brackets inside a string, 500 lists side by side, 100 deep: read; 101 deep: refused by depth"""
+    lines = [{"text": "[{" * 500}, {"text": "ok", "meta": [[1]] * 500},
+             {"text": "ok", "meta": json.loads("[" * 99 + "]" * 99)}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert [r["line"] for r in read_jsonl(path).rows] == [1, 2, 3]
+    path.write_text(path.read_text() + '{"text": "ok", "meta": ' + "[" * 100 + "]" * 100 + "}\n")
+    with pytest.raises(DataError, match=r"d.jsonl:4: the JSON nests 101 deep"):
+        read_jsonl(path)
+
+
+def test_an_escaped_pair_is_one_character_and_only_a_lone_half_is_refused(tmp_path: Path) -> None:
+    """\\ud83d\\ude00 reads as one emoji; \\ud83d alone is named with its line, key and place"""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "smile \\ud83d\\ude00"}\n')
+    assert read_jsonl(path).rows[0]["text"] == "smile \U0001F600"
+    path.write_text('{"text": "smile \\ud83d"}\n')
+    with pytest.raises(DataError, match=r'd.jsonl:1: "text" holds a lone surrogate \(\\ud83d\) at character 7'):
+        read_jsonl(path)
+
+
 def test_the_fixture_data_files_validate(chat_data: dict, text_data: dict) -> None:
     assert len(read_jsonl(chat_data["train"]).rows) == 64
     assert len(read_jsonl(text_data["eval"]).rows) == 16
