@@ -153,6 +153,7 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     """Validate a job file and create its run (folder and ledger row) atomically.
 
     ``run_id`` is given only by a remote worker: its run keeps the id of the local run it serves."""
+    Ledger().close()  # a ledger that lost runs (ledger/known.py) is refused before anything is prepared or written
     prepared = prepare_job(job_path, threads=threads)
     job = prepared.job
     memory = preflight(prepared, force)

@@ -282,3 +282,25 @@ def test_an_approved_submission_carries_the_chain_head_it_left_with(tmp_path: Pa
     witness = tmp_path / "from-the-submission.jsonl"
     witness.write_text(json.dumps(head) + "\n")
     assert "all 1 witnessed head(s)" in lodger(["audit", "--against", witness], home).stdout
+
+
+def test_a_zero_byte_ledger_is_not_taken_for_a_new_one_by_any_command(killed_run, lodger_home: Path,
+                                                                      standard_job: Path, tmp_path: Path) -> None:
+    """ledger.db emptied beside a run with checkpoints: ls, status, show, pause, logs, audit (with and
+    without a witness), resume and run each exit 1 naming the run and the fix; nothing is written"""
+    run_id, folder = killed_run
+    witness = tmp_path / "heads.jsonl"
+    lodger(["audit", "--witness", witness], lodger_home)
+    ledger = lodger_home / "ledger.db"
+    os.truncate(ledger, 0)  # what a failing disk, or someone covering their tracks, leaves
+    before = sorted(p.name for p in (lodger_home / "runs").iterdir())
+    for args in (["ls"], ["status"], ["show", run_id], ["pause", run_id], ["logs", run_id], ["audit"],
+                 ["audit", "--against", witness], ["resume", run_id], ["run", standard_job]):
+        result = lodger(args, lodger_home, ok=False)
+        assert result.returncode == 1, describe(result)
+        said = result.stderr
+        assert f"error: {ledger}: the ledger does not know 1 run(s) whose folders in {lodger_home / 'runs'}" in said \
+            and f": {run_id}." in said and "is 0 bytes" in said and "Put back ledger.db from a backup" in said, \
+            describe(result)
+        assert ledger.stat().st_size == 0, f"`lodger {args[0]}` wrote into the emptied ledger"
+        assert sorted(p.name for p in (lodger_home / "runs").iterdir()) == before, f"`lodger {args[0]}` made a run"

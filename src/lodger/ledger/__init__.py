@@ -20,7 +20,7 @@ from typing import Any, Iterable
 from .. import durable
 from ..errors import LedgerError, RunNotFound
 from ..home import ledger_path
-from .connection import connect
+from .known import connect_known
 from . import records
 from .migrations import MIGRATIONS
 from .records import RecordProblem, metrics_digest, sha256_text
@@ -52,7 +52,7 @@ class Ledger:
     def __init__(self, path: Path | None = None):
         self.path = Path(path or ledger_path())
         try:
-            self.db = connect(self.path)
+            self.db = connect_known(self.path)
             self._migrate()
         except sqlite3.DatabaseError as exc:
             if _is_full(exc):
