@@ -219,6 +219,7 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5, against: Path | None =
             c.data_differences.append("model source sha256 differs")
         if pa[0]["model"]["tokenizer_sha256"] != pb[0]["model"]["tokenizer_sha256"]:
             c.data_differences.append("tokenizer sha256 differs")
+        c.data_differences += base_differences(pa[0]["model"].get("quantisation"), pb[0]["model"].get("quantisation"))
         c.environment_differences = drift(pa[0]["numerics"], pb[0]["numerics"])
     for run_id, segments in ((a, pa), (b, pb)):
         changes = [f"segment {s['segment']}: {d}" for s in segments[1:] for d in drift(segments[0]["numerics"],
@@ -250,6 +251,22 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5, against: Path | None =
         c.weights_equal, c.max_weight_diff, why_not = weight_difference(wa, wb)
     c.verdict, c.equal = _verdict(c, ra, rb, la, lb, tolerance, why_not)
     return c
+
+
+def base_differences(a: dict | None, b: dict | None) -> list[str]:
+    """How two runs' frozen bases differ in precision ([method] base_bits; provenance's
+    `model.quantisation`, absent for an fp32 base): the precision, else the quantised bytes."""
+    from .quant import describe
+
+    def said(q: dict | None) -> str:
+        return describe(q.get("bits")) + f" {q.get('version')}" if q else "fp32"
+
+    if (a or {}).get("bits") != (b or {}).get("bits"):
+        return [f"base precision: {said(a)} vs {said(b)}"]
+    if a and b and a.get("sha256") != b.get("sha256"):
+        return [f"quantised base sha256 {str(a.get('sha256'))[:12]} vs {str(b.get('sha256'))[:12]} "
+                f"({a.get('library')} {a.get('version')} vs {b.get('version')})"]
+    return []
 
 
 def _preference_series(rows: list[dict]) -> dict[str, list]:

@@ -187,7 +187,7 @@ def measure_child() -> None:
     import_bytes = phases["imports"]
     tokenizer = load_tokenizer(Path(spec["folder"]))
     phases["tokenizer"] = _proc_status("VmRSS")
-    model = attach_method(load_base_model(Path(spec["folder"])), job.method, cfg.seed)
+    model = attach_method(load_base_model(Path(spec["folder"]), job.method, "cpu", cfg.precision), job.method, cfg.seed)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if job.method.kind == "lora":

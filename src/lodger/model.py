@@ -313,11 +313,18 @@ def load_tokenizer(folder: Path):
     return tokenizer
 
 
-def load_base_model(folder: Path):
-    """The base causal LM in fp32, ready for training (no KV cache)."""
+def load_base_model(folder: Path, method=None, device: str = "cpu", precision: str = "fp32"):
+    """The base causal LM in fp32, ready for training (no KV cache); with ``method.base_bits`` its
+    decoder layers' linear weights quantised as they load, computing in ``precision``'s dtype (quant.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    bits = getattr(method, "base_bits", None)
+    if bits is not None:
+        from .quant import load_quantised
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        return load_quantised(folder, bits, device, dtype)
     model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
     model.config.use_cache = False
     return model
@@ -358,8 +365,10 @@ def attach_method(model, method, seed: int):
     from peft import LoraConfig, get_peft_model
 
     _check_targets(model, method)
+    variants = {"use_dora": bool(getattr(method, "use_dora", None)), "use_rslora": bool(getattr(method, "use_rslora", None)),
+                "init_lora_weights": {None: True, "gaussian": "gaussian", "loftq": True}[getattr(method, "init_lora", None)]}
     config = LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
-                        target_modules=list(method.target_modules), bias="none", task_type="CAUSAL_LM")
+                        target_modules=list(method.target_modules), bias="none", task_type="CAUSAL_LM", **variants)
     torch.manual_seed(seed)
     model = get_peft_model(model, config)
     if getattr(method, "init_adapter", None) is not None:  # continue someone's adapter: its weights, bit for bit

@@ -68,6 +68,9 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     train_file = read_jsonl(job.data.train, check)
     eval_file = read_jsonl(job.data.eval, check) if job.data.eval is not None else None
     source = resolve_source(job.model.source)
+    here = device is None  # a device named by the gate is another machine's: its library is not this one's
+    device = device or pick_device(job)
+    quantisation_problem(job, source, device if here else None)
     folder = model_folder(source)
     tokenizer = load_tokenizer(folder)
     tok_sha = tokenizer_hash(folder)
@@ -84,7 +87,6 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     # at start only picks how packed examples are kept apart (train/state.py).
     lengths = example_lengths(train_set)
     sampler = make_sampler(job.training, train_indices, lengths)  # [training] order
-    device = device or pick_device(job)
     # A packed row must hold a whole example: a pair is two sequences of up to max_length each.
     longest = job.data.max_length * getattr(train_set, "per_example", 1)
     packing = False if objective == "grpo" else job.training.packing  # completions are sampled per step, padded
@@ -92,6 +94,27 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     steps = job.training.steps or planner.steps_for(job.training.epochs * len(train_indices))
     return Prepared(job, source, folder, tokenizer, tok_sha, train_file, eval_file, train_set, eval_set,
                     train_indices, eval_indices, steps, device, planner)
+
+
+def quantisation_problem(job: JobConfig, source, device: str | None) -> None:
+    """[method] base_bits refused before anything is written: on a GGUF file (already quantised;
+    lodger dequantises it, and quantising that again stacks two rounding errors), or on a device
+    bitsandbytes cannot serve here (``device`` None: the job is prepared for another machine)."""
+    from .errors import JobFileError
+
+    bits = job.method.base_bits
+    if bits is None:
+        return
+    if source.kind == "gguf":
+        raise JobFileError(f"[method] base_bits = {bits} with [model] source = {job.model.source!r}: a GGUF file is "
+                           "already quantised (lodger trains on it dequantised to fp32), and quantising that again "
+                           "would stack a second rounding error on the first; use the original model's folder or "
+                           "hub id as the source, or remove base_bits")
+    from .quant import device_problem
+
+    problem = device_problem(bits, device) if device else None
+    if problem:
+        raise JobFileError(problem)
 
 
 def prepare_job(path: Path, *, threads: int | None = None, world_size: int | None = None) -> Prepared:

@@ -153,6 +153,12 @@ def show(run_id: str, as_json: bool, against: Path | None) -> None:
                    f"{' (dirty)' if code.get('dirty') else ''}")
         click.echo(f"            model sha256 {p['model']['sha256'][:16]}  train sha256 "
                    f"{p['data']['train']['sha256'][:16]}")
+        quantised = p["model"].get("quantisation")
+        if quantised:  # [method] base_bits: the base as it was trained against
+            from ..quant import describe
+
+            click.echo(f"            base {describe(quantised['bits'])} {quantised.get('version')}, quantised "
+                       f"sha256 {quantised['sha256'][:16]}")
     _print_memory(events)
     _print_events(events)
 

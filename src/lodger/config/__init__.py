@@ -73,6 +73,18 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _quantised_base_alone(self) -> "JobConfig":
+        bits = self.method.base_bits
+        if bits is not None and self.federated is not None:
+            raise ValueError(f"[method] base_bits = {bits} with [federated]: federated clients are not yet checked "
+                             "to quantise their bases alike; remove base_bits, or [federated]")
+        if bits is not None and self.training.world_size > 1:
+            raise ValueError(f"[method] base_bits = {bits} with [training] world_size = {self.training.world_size}: "
+                             "data-parallel training on a quantised base is not checked yet; use world_size = 1, "
+                             "or remove base_bits")
+        return self
+
+    @model_validator(mode="after")
     def _grpo_parts(self) -> "JobConfig":
         grpo = self.method.objective == "grpo"
         if not grpo and (self.grpo is not None or self.rewards):

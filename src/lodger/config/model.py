@@ -55,6 +55,50 @@ class MethodConfig(Section):
     """Continue training this existing peft adapter folder (adapter_config.json +
     adapter_model.safetensors) instead of a fresh one; rank, alpha and target_modules are read from
     it (left out here, or equal)."""
+    base_bits: Literal[4, 8] | None = None
+    """LoRA only: hold the frozen base in 4 bits (NF4 with double quantisation, QLoRA) or 8 bits
+    (LLM.int8), through bitsandbytes, on the CPU or a GPU; about a seventh (4) or a quarter (8) of its
+    fp32 size. Left out: the base stays fp32. Its decoder layers' linear weights are quantised when
+    loaded (the embeddings, norms and head stay fp32); the checkpoint names the quantised base by its
+    sha256 instead of storing it (docs/qlora.md)."""
+    use_dora: bool | None = None
+    """LoRA only: DoRA (weight-decomposed LoRA): a trainable magnitude per output row of each adapted
+    layer beside the low-rank direction; costs a norm of the (dequantised) weight per layer and step."""
+    use_rslora: bool | None = None
+    """LoRA only: rank-stabilised scaling, alpha / sqrt(rank) instead of alpha / rank."""
+    init_lora: Literal["default", "gaussian", "loftq"] | None = None
+    """How a fresh adapter starts (peft's init_lora_weights): `default` (A random, B zero, the
+    default), `gaussian`, or `loftq` (base_bits = 4 only: A and B chosen so that the quantised base
+    plus the adapter is closest to the original weights, read from the model's safetensors)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_left_out(cls, raw: Any) -> Any:
+        """`use_dora = false`, `use_rslora = false` and `init_lora = "default"` are the defaults: kept out
+        of the resolved job, so a job that says them has the identity of one that does not."""
+        if not isinstance(raw, dict):
+            return raw
+        defaults = {"use_dora": False, "use_rslora": False, "init_lora": "default"}
+        said = {k for k, v in raw.items() if k in defaults and type(v) is type(defaults[k]) and v == defaults[k]}
+        return {k: v for k, v in raw.items() if k not in said}
+
+    @model_validator(mode="after")
+    def _variants_fit(self) -> "MethodConfig":
+        """Refuse a quantised base or a LoRA variant with what it cannot honour, naming the fix."""
+        lora_only = [k for k in ("base_bits", "use_dora", "use_rslora", "init_lora") if getattr(self, k) is not None]
+        if self.kind != "lora" and lora_only:
+            key = lora_only[0]
+            why = ("a quantised base is frozen and only a LoRA adapter trains on it" if key == "base_bits"
+                   else "it is a variant of the LoRA adapter")
+            raise ValueError(f"{key} = {getattr(self, key)!r} with kind = {self.kind!r}: {why}; set kind = \"lora\" "
+                             f"or remove {key}")
+        if self.init_lora == "loftq" and self.base_bits != 4:
+            raise ValueError(f'init_lora = "loftq" with base_bits = {self.base_bits}: LoftQ fits the adapter to '
+                             "the error of 4-bit quantisation; set base_bits = 4, or init_lora = \"default\"")
+        if self.use_dora and self.init_adapter is not None:
+            raise ValueError("use_dora = true with init_adapter: the adapter being continued is plain LoRA and has "
+                             "no magnitude vectors for DoRA to continue; remove use_dora, or init_adapter")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -261,9 +261,12 @@ class RunFacts:
     """What the checkpoint was trained on (data, model, numerics): checked on load, not restored.
     ``drift`` holds the numerics differences found by the latest load."""
 
-    def __init__(self, run_id: str, prepared, fingerprint: dict, reward_files: dict[str, str] | None = None):
+    def __init__(self, run_id: str, prepared, fingerprint: dict, reward_files: dict[str, str] | None = None,
+                 base: dict[str, Any] | None = None):
         self.run_id, self.p, self.fingerprint = run_id, prepared, fingerprint
         self.reward_files = reward_files or {}  # GRPO: {reward: sha256 of the owner's file}
+        # [method] base_bits: the quantised base as quant.facts describes it (its sha256 stands in for its bytes)
+        self.base = {k: v for k, v in (base or {}).items() if k in BASE_KEYS}
         self.drift: list[str] = []
 
     def state_dict(self) -> dict[str, Any]:
@@ -274,6 +277,8 @@ class RunFacts:
                  "model_sha256": p.source.sha256}
         if self.reward_files:
             facts["reward_files"] = self.reward_files
+        if self.base:
+            facts["base"] = self.base
         return facts
 
     def load_state_dict(self, entries: Mapping[str, Any]) -> None:
@@ -290,6 +295,7 @@ class RunFacts:
             raise RunStateError(f"run {self.run_id}: the model changed since the checkpoint (recorded "
                                 f"{entries['model_sha256']}, now {p.source.sha256})")
         self.drift = prov.drift(entries["numerics"], self.fingerprint)
+        self.drift += base_drift(self.run_id, entries.get("base") or {}, self.base)
         recorded = entries.get("reward_files") or {}
         for label in sorted(set(recorded) | set(self.reward_files)):
             if recorded.get(label) != self.reward_files.get(label):  # a fixed reward: allowed, and said
@@ -299,6 +305,24 @@ class RunFacts:
     def problems(self, entries: Mapping[str, Any], step: int, world_size: int) -> list[str]:
         return (state_key_problems(entries, "numerics") + state_key_problems(entries, "model_sha256")
                 + state_key_problems(entries, "data", ("train_sha256", "eval_sha256")))
+
+
+BASE_KEYS = ("bits", "format", "library", "version", "sha256")
+
+
+def base_drift(run_id: str, recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """A quantised base checked against the checkpoint's record of it: the same quantised bytes (a
+    changed library version that quantises alike is drift, said), or a refusal naming both."""
+    if recorded.get("sha256") == now.get("sha256"):
+        if recorded.get("version") != now.get("version"):
+            return [f"base {recorded.get('library')}: {recorded.get('version')!r} -> {now.get('version')!r} (the "
+                    "quantised base is bitwise the same)"]
+        return []
+    said = {key: f"{d.get('bits')}-bit, {d.get('library')} {d.get('version')}, sha256 {str(d.get('sha256'))[:12]}"
+            if d else "fp32" for key, d in (("recorded", recorded), ("now", now))}
+    raise RunStateError(f"run {run_id}: the quantised base differs from the one its checkpoint was trained on "
+                        f"(at the checkpoint: {said['recorded']}; now: {said['now']}); a resume would not be exact. "
+                        "Reinstall the recorded library version (`lodger show RUN` lists it), or start a new run")
 
 
 class Reference:

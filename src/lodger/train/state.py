@@ -146,7 +146,7 @@ def build_model(prepared: Prepared, rank: int = 0) -> tuple[Any, Any, str]:
     from ..rng import seed_everything
 
     job = prepared.job
-    base = load_base_model(prepared.folder)
+    base = load_base_model(prepared.folder, job.method, prepared.device, job.training.precision)
     if job.training.gradient_checkpointing:
         # non-reentrant checkpointing restores the RNG for the recomputation, so dropout stays exact
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -158,6 +158,15 @@ def build_model(prepared: Prepared, rank: int = 0) -> tuple[Any, Any, str]:
 
         seed_everything(rank_seed(job.training.seed, rank))
     return model, planner, packing_mode
+
+
+def base_facts(method, model) -> dict | None:
+    """[method] base_bits: the quantised base as provenance and the checkpoint record it (quant.facts)."""
+    if getattr(method, "base_bits", None) is None:
+        return None
+    from ..quant import facts
+
+    return facts(method.base_bits, model)
 
 
 def build_sync(control, limits, job, ranks: Ranks, ledger, run_id: str):
@@ -247,6 +256,7 @@ class Session:
         self.device = prepared.device
         self.applied_limits = settle_process(job, self.device)
         self.model, self.planner, self.packing_mode = build_model(prepared, ranks.rank)
+        self.base = base_facts(job.method, self.model)
         self.precision = Precision(job.training.precision, self.device)
         self.guard = Guard(job.guard)
         self.poisoned = faults.poisoned_lines()  # test-only fault injection (faults.py)
@@ -265,7 +275,8 @@ class Session:
                                        writes=self.sync.writes)
         self.rewards = build_rewards(job, self.control)
         self.objective = build_objective(self)
-        facts = holders.RunFacts(run_id, prepared, self.fingerprint, self.rewards.files() if self.rewards else None)
+        facts = holders.RunFacts(run_id, prepared, self.fingerprint, self.rewards.files() if self.rewards else None,
+                                 base=self.base)
         state = holders.declare(facts=facts, model=self.model, method=job.method, optimizer=self.optimizer,
                                 sync=self.sync, progress=self.progress, recorder=self.recorder, guard=self.guard,
                                 precision=self.precision, train_set=self.train_set, eval_set=self.eval_set,
@@ -334,6 +345,8 @@ class Session:
                 data[use.role].update(use.provenance())
         model = {"source": p.source.spec, "kind": p.source.kind, "path": str(p.source.path),
                  "sha256": p.source.sha256, "tokenizer_sha256": p.tokenizer_sha, **p.source.provenance()}
+        if self.base is not None:  # what the quantisation was, by which library, and its result's sha256
+            model["quantisation"] = self.base
         init_adapter = getattr(self.job.method, "init_adapter", None)
         if init_adapter is not None:
             from ..model import adapter_hash
