@@ -70,8 +70,20 @@ $(DEV_STAMP): $(STAMP)
 	@touch $(DEV_STAMP)
 	@echo "installed the test tools; next: \`make test\` (or \`make test-fast\`)"
 
-# llama.cpp for the GGUF export tests (they skip without it), CPU only: a source build of minutes on 2 cores,
-# kept out of $(STAMP) so `make test` does not wait on it; pip caches the wheel, so a machine builds it once.
+# llama.cpp for the GGUF export tests: node-llama-cpp's prebuilt CPU build (npm's @node-llama-cpp/linux-x64,
+# built on Ubuntu 22.04, so it loads on this glibc 2.36), run by Node (tests/e2e/stranger_llama.mjs), as the
+# lock file pins it: 117 packages, 85 MB, 5-8 s. --ignore-scripts: its postinstall would look for a GPU build;
+# --omit=optional: the CUDA and Vulkan builds its package lists. `npm install`, not `npm ci`: the registry
+# here serves no macOS or Windows builds, whose entries `npm ci` insists on; --no-save leaves the lock alone.
+NODE_LLAMA := tests/node-llama-cpp
+NODE_LLAMA_STAMP := $(NODE_LLAMA)/node_modules/.lodger-installed
+$(NODE_LLAMA_STAMP): $(NODE_LLAMA)/package-lock.json
+	@echo "install: llama.cpp for the export tests (node-llama-cpp 3.22.1, prebuilt; 85 MB) ..."
+	@start=$$SECONDS; npm install --prefix $(NODE_LLAMA) --ignore-scripts --omit=optional --no-save --no-audit \
+		--no-fund --loglevel=error; touch $@; echo "  done in $$((SECONDS - start)) s"
+
+# llama-cpp-python, which the export card's snippet imports (test_export_stranger.py runs that snippet only
+# with it), CPU only: a source build of minutes on 2 cores, kept out of `make test`; pip caches the wheel.
 GGUF_STAMP := $(VENV)/.lodger-gguf-runtime
 .PHONY: gguf-runtime test-gguf
 $(GGUF_STAMP): $(STAMP)
@@ -79,7 +91,7 @@ $(GGUF_STAMP): $(STAMP)
 		$(PY) -m pip install --quiet -e '.[gguf-runtime]'
 	touch $(GGUF_STAMP)
 gguf-runtime: $(GGUF_STAMP)
-test-gguf: $(GGUF_STAMP)
+test-gguf: $(GGUF_STAMP) $(NODE_LLAMA_STAMP)
 	$(PY) -m pytest -q tests/e2e/test_export_stranger.py tests/unit/test_modelfile_grammar.py
 
 demo: $(STAMP)
@@ -99,11 +111,11 @@ PARALLEL := -n 2 --dist loadgroup
 # that need the machine to themselves (they measure its whole CPU load). Each pytest run ends with
 # its slowest 15 tests, so the next change sees where the time goes.
 DURATIONS := --durations=15 --durations-min=1
-test: $(DEV_STAMP) browser lint
+test: $(DEV_STAMP) $(NODE_LLAMA_STAMP) browser lint
 	$(PY) -m pytest -q $(PARALLEL) $(DURATIONS) -m 'not gpu and not solo'
 	$(PY) -m pytest -q $(DURATIONS) -m solo
 
-test-fast: $(DEV_STAMP) browser lint
+test-fast: $(DEV_STAMP) $(NODE_LLAMA_STAMP) browser lint
 	$(PY) -m pytest -q -x $(PARALLEL) -m 'not slow and not gpu and not solo'
 	$(PY) -m pytest -q -x -m solo
 

@@ -1,4 +1,4 @@
-"""A stranger's session with a lodger export: only peft, transformers and llama_cpp, never lodger.
+"""A stranger's session with a lodger export: only peft, transformers and llama.cpp, never lodger.
 
 The export tests run this file in a subprocess with a fresh HF_HOME, HF_HUB_OFFLINE=1 and lodger's
 cache out of reach (``strangers_env`` in test_export_stranger.py); it prints one JSON object:
@@ -6,11 +6,15 @@ cache out of reach (``strangers_env`` in test_export_stranger.py); it prints one
 - ``peft``: the adapter loaded by ``PeftModel.from_pretrained`` on the base its adapter_config names
   (relative to the adapter folder, as a shipped ``./base`` is), logits of ``--ids``;
 - ``merged``: ``AutoModelForCausalLM``/``AutoTokenizer`` on merged/: logits of ``--ids``, the chat
-  prompt of ``--messages`` by the tokenizer's chat template, its ids, and the greedy continuation
-  (``--new-tokens``, one full forward per token, EOS not special) with the logits along it;
-- ``llama``: llama.cpp (llama-cpp-python) on the GGUF: its tokens for the same prompt text, its own
-  greedy sampler's continuation (temperature 0) of the merged tokenizer's ids, and its logits along
-  that path (f32 KV cache, so that they compare with transformers' at f32 precision).
+  prompt of ``--messages`` by the tokenizer's chat template, its ids (and with ``--prompt-logits`` the
+  logits at each), and the greedy continuation (``--new-tokens``, one full forward per token, EOS not
+  special) with the logits along it;
+- ``llama``: llama.cpp on the GGUF (``stranger_llama.mjs``: node-llama-cpp's prebuilt llama.cpp, run
+  by Node in a process of its own): its tokens for the same prompt text, its own greedy sampler's
+  continuation of the merged tokenizer's ids, and its logits along that path (and with
+  ``--prompt-logits`` at every position of the prompt), each as ``{token id: logit}`` for every token
+  or the ``--top`` best; its KV cache is f32, so that they compare with transformers' at f32
+  precision.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def greedy(model, ids: list[int], n: int) -> tuple[list[int], list[list[float]]]
     return tokens, path
 
 
-def load_merged(folder: str, ids: list[int], messages: list[dict], n: int) -> dict:
+def load_merged(folder: str, ids: list[int], messages: list[dict], n: int, prompt_logits: bool) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -65,27 +69,22 @@ def load_merged(folder: str, ids: list[int], messages: list[dict], n: int) -> di
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     tokens, path = greedy(model, prompt_ids, n)
     return {"logits": _logits(model, ids), "chat_template": tokenizer.chat_template, "prompt": prompt,
-            "prompt_ids": prompt_ids, "greedy": tokens, "greedy_logits": path, "eos": tokenizer.eos_token_id}
+            "prompt_ids": prompt_ids, "prompt_logits": _logits(model, prompt_ids) if prompt_logits else None,
+            "greedy": tokens, "greedy_logits": path, "eos": tokenizer.eos_token_id}
 
 
-def load_gguf(path: str, prompt: str, prompt_ids: list[int], n: int, threads: int) -> dict:
-    import llama_cpp
+def load_gguf(runtime: str, path: str, prompt: str, prompt_ids: list[int], n: int, threads: int,
+              prompt_logits: bool, top: int) -> dict:
+    """llama.cpp in a process of its own (stranger_llama.mjs under Node), not in this interpreter."""
+    import subprocess
 
-    llm = llama_cpp.Llama(model_path=path, n_ctx=512, logits_all=True, n_threads=threads, verbose=False,
-                          type_k=0, type_v=0)  # GGML_TYPE_F32: the KV cache at f32 (default f16)
-    try:
-        tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
-        out = []
-        for token in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
-            out.append(int(token))
-            if len(out) == n:
-                break
-        start = len(prompt_ids) - 1  # logits_all: row i holds the logits after token i of what was evaluated
-        scores = [llm.scores[start + i].tolist() for i in range(n)]
-        meta = {k: v for k, v in llm.metadata.items() if k in ("general.architecture", "tokenizer.chat_template")}
-        return {"prompt_tokens": tokens, "greedy": out, "greedy_logits": scores, "metadata": meta}
-    finally:
-        llm.close()
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stranger_llama.mjs")
+    request = {"runtime": runtime, "gguf": os.path.abspath(path), "prompt": prompt, "prompt_ids": prompt_ids,
+               "new_tokens": n, "threads": threads, "prompt_logits": prompt_logits, "top": top}
+    done = subprocess.run(["node", script], input=json.dumps(request), capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"llama.cpp (node-llama-cpp) failed: {done.stderr[-3000:]}")
+    return json.loads(done.stdout)
 
 
 def main() -> None:
@@ -93,9 +92,12 @@ def main() -> None:
     parser.add_argument("--peft")
     parser.add_argument("--merged")
     parser.add_argument("--gguf")
+    parser.add_argument("--llama-cpp", help="the folder node-llama-cpp is installed in (tests/node-llama-cpp)")
     parser.add_argument("--ids", type=json.loads, required=True)
     parser.add_argument("--messages", type=json.loads, required=True)
     parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--prompt-logits", action="store_true", help="logits at every position of the chat prompt")
+    parser.add_argument("--top", type=int, default=0, help="llama.cpp's logits of the best N tokens only (0: all)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.gguf and not args.merged:
@@ -107,10 +109,11 @@ def main() -> None:
     if args.peft:
         out["peft"] = load_peft(args.peft, args.ids)
     if args.merged:
-        out["merged"] = load_merged(args.merged, args.ids, args.messages, args.new_tokens)
+        out["merged"] = load_merged(args.merged, args.ids, args.messages, args.new_tokens, args.prompt_logits)
     if args.gguf:
         merged = out["merged"]
-        out["llama"] = load_gguf(args.gguf, merged["prompt"], merged["prompt_ids"], args.new_tokens, args.threads)
+        out["llama"] = load_gguf(args.llama_cpp, args.gguf, merged["prompt"], merged["prompt_ids"], args.new_tokens,
+                                 args.threads, args.prompt_logits, args.top)
     out["lodger_imported"] = sorted(m for m in sys.modules if m.startswith("lodger") and sys.modules[m] is not None)
     json.dump(out, sys.stdout)
 

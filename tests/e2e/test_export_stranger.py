@@ -1,16 +1,18 @@
 """An export as a stranger meets it, on the tiny Llama: with lodger's cache hidden, a fresh HF_HOME
-and HF_HUB_OFFLINE=1, a process that imports only peft, transformers and llama_cpp (stranger.py)
-loads (a) the adapter on the base the export ships, (b) merged/ with its tokenizer and chat
-template, (c) the GGUF in llama.cpp, and all of them compute what lodger's own model computes; (d)
-the Modelfile parses by Ollama's grammar (tests/modelfile_grammar.py) with FROM, a TEMPLATE that
-renders as the chat template, and PARAMETER stop lines; the card lists every file's sha256 and the
-chat template's. A run trained on a tiny GGUF file ships its dequantised base by default and names no
-hub id. SmolLM2 does (a)-(d) in test_export_slow.py.
+and HF_HUB_OFFLINE=1, a process that imports only peft and transformers (stranger.py) loads (a) the
+adapter on the base the export ships, (b) merged/ with its tokenizer and chat template, and (c)
+llama.cpp runs the GGUF (node-llama-cpp's prebuilt build under Node, stranger_llama.mjs), and all of
+them compute what lodger's own model computes; (d) the Modelfile parses by Ollama's grammar
+(tests/modelfile_grammar.py) with FROM, a TEMPLATE that renders as the chat template, and PARAMETER
+stop lines; the card lists every file's sha256 and the chat template's. A run trained on a tiny GGUF
+file ships its dequantised base by default and names no hub id. SmolLM2 does (a)-(d) in
+test_export_slow.py.
 
-Comparing runtimes on a random tiny model: logits are compared at every position (f32 on both
-sides, f32 KV cache in llama.cpp: they agree to about 1e-7, the tolerance is 1e-4), and greedy tokens
-must be equal except from a step where transformers' two best logits are closer than twice that
-tolerance, a near tie that either runtime may break either way (`agree_up_to_ties`)."""
+Comparing runtimes on a random tiny model: logits are compared at every position of the prompt and
+along the greedy path (f32 on both sides, f32 KV cache in llama.cpp: they agree to about 1e-7, the
+tolerance is 1e-4), and greedy tokens must be equal except from a step where transformers' two best
+logits are closer than twice that tolerance, a near tie that either runtime may break either way
+(`agree_up_to_ties`)."""
 
 from __future__ import annotations
 
@@ -35,8 +37,12 @@ MESSAGES = [{"role": "user", "content": "Reverse the words: red blue cat"}]
 """No digits: the tiny tokenizer splits digits one by one, which llama.cpp's `default` pre-tokeniser
 does not (docs/export.md); the words and the special tokens tokenise alike."""
 ATOL = 1e-4
-LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
-NO_LLAMA_CPP = "llama-cpp-python is not installed (`make gguf-runtime` builds it: about 3-7 minutes on 2 cores)"
+LLAMA_CPP = Path(__file__).parents[1] / "node-llama-cpp"
+"""node-llama-cpp and its prebuilt CPU build of llama.cpp, installed here by `make test` (`npm ci`, from
+the lock file beside it: about 8 s and 85 MB); stranger_llama.mjs runs them under Node."""
+LLAMA_CPP_PYTHON = importlib.util.find_spec("llama_cpp") is not None
+NO_LLAMA_CPP_PYTHON = ("llama-cpp-python, which the card's snippet imports, is not installed (`make gguf-runtime` "
+                       "compiles it: about 3-7 minutes on 2 cores)")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +84,10 @@ def strangers_env(tmp: Path) -> dict[str, str]:
 
 def run_stranger(args: list[str], cwd: Path, home: Path, ids, messages=MESSAGES, new_tokens: int = 12,
                  threads: int = 1) -> dict:
+    if "--gguf" in args:
+        assert (LLAMA_CPP / "node_modules" / "@node-llama-cpp" / "linux-x64").is_dir(), \
+            f"llama.cpp is not installed in {LLAMA_CPP}: `make test` installs it (npm ci --prefix {LLAMA_CPP})"
+        args = [*args, "--llama-cpp", str(LLAMA_CPP)]
     with lodger_cache_hidden(home):
         done = subprocess.run([sys.executable, str(STRANGER), *args, "--ids", json.dumps(ids), "--messages",
                                json.dumps(messages), "--new-tokens", str(new_tokens), "--threads", str(threads)],
@@ -99,6 +109,17 @@ def agree_up_to_ties(theirs: list[int], ours: list[int], our_logits: list[list[f
             return i
     assert len(theirs) == len(ours)
     return len(ours)
+
+
+def dense(rows: list[dict[str, float]], n_vocab: int):
+    """llama.cpp's ``{token id: logit}`` rows as an array, NaN where a token was not reported."""
+    import numpy as np
+
+    out = np.full((len(rows), n_vocab), np.nan)
+    for i, row in enumerate(rows):
+        for token, value in row.items():
+            out[i, int(token)] = value
+    return out
 
 
 def copy_of(export, tmp_path: Path) -> Path:
@@ -135,25 +156,37 @@ def test_a_stranger_loads_the_shipped_base_adapter_and_merged_folder_offline_and
                                 "Reverse the words: red blue cat<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.skipif(not LLAMA_CPP, reason=NO_LLAMA_CPP)
 def test_llama_cpp_loads_the_gguf_tokenises_the_prompt_alike_and_its_greedy_tokens_match_the_merged_model(
         export, tmp_path):
-    from test_export import IDS, card_snippets
+    from test_export import IDS
 
     fresh = copy_of(export, tmp_path)
-    out = run_stranger(["--merged", "merged", "--gguf", f"gguf/{export.gguf}"], fresh, export.home, IDS[0],
-                       new_tokens=16)
+    out = run_stranger(["--merged", "merged", "--gguf", f"gguf/{export.gguf}", "--prompt-logits"], fresh,
+                       export.home, IDS[0], new_tokens=16)
     merged, llama = out["merged"], out["llama"]
+    assert llama["runtime"]["build"] == "prebuilt", llama["runtime"]
     assert llama["metadata"]["general.architecture"] == "llama"
     assert llama["metadata"]["tokenizer.chat_template"] == merged["chat_template"]
     assert llama["prompt_tokens"] == merged["prompt_ids"]
     agreed = agree_up_to_ties(llama["greedy"], merged["greedy"], merged["greedy_logits"], 2 * ATOL)
     import numpy as np
 
-    theirs, ours = np.array(llama["greedy_logits"][:agreed + 1]), np.array(merged["greedy_logits"][:agreed + 1])
-    assert np.abs(theirs - ours).max() <= ATOL, np.abs(theirs - ours).max()
+    n_vocab = len(merged["greedy_logits"][0])
+    theirs, ours = dense(llama["greedy_logits"][:agreed + 1], n_vocab), np.array(merged["greedy_logits"][:agreed + 1])
+    assert np.abs(theirs - ours).max() <= ATOL, np.abs(theirs - ours).max()  # NaN (a token missing) fails too
     assert agreed == 16, "on this model the runtimes agree on every greedy token; a tie here is news"
+    # the trained tiny model repeats one token greedily: the prompt's positions are where it varies
+    theirs, ours = dense(llama["prompt_logits"], n_vocab), np.array(merged["prompt_logits"])
+    assert ours.shape == (len(merged["prompt_ids"]), n_vocab)
+    assert np.abs(theirs - ours).max() <= ATOL, np.abs(theirs - ours).max()
+    assert len(set(ours.argmax(axis=1))) > 3, "the prompt's positions must not all predict alike"
 
+
+@pytest.mark.skipif(not LLAMA_CPP_PYTHON, reason=NO_LLAMA_CPP_PYTHON)
+def test_the_cards_llama_cpp_python_snippet_runs_in_a_fresh_folder(export, tmp_path):
+    from test_export import card_snippets
+
+    fresh = copy_of(export, tmp_path)
     (snippet,) = card_snippets((fresh / "README.md").read_text(), "llama-cpp-python").values()
     with lodger_cache_hidden(export.home):
         done = subprocess.run([sys.executable, "-c", "import sys\nsys.modules['lodger'] = None\n" + snippet],
