@@ -185,12 +185,17 @@ def test_response_format_json_answers_parse_and_follow_the_schema(served):
         value = json.loads(choice["message"]["content"])
         assert set(value) == {"ok", "n", "colour"} and isinstance(value["ok"], bool), value
         assert isinstance(value["n"], int) and 0 <= value["n"] <= 9 and value["colour"] in ("red", "blue"), value
-    answer = post(client, "/v1/chat/completions", messages=QUESTION, max_tokens=60,
-                  response_format={"type": "json_object"})
-    if answer["choices"][0]["finish_reason"] == "stop":
-        assert isinstance(json.loads(answer["choices"][0]["message"]["content"]), dict)
-    else:
-        assert answer["choices"][0]["message"]["content"].startswith("{")
+    # json_object: greedy, this model closes the object at once; sampled (seed 11), it writes 89 tokens of
+    # keys and values first (measured). Either way the whole answer parses and the model ended it itself.
+    objects = []
+    for sampling in ({}, {"temperature": 0.7, "seed": 11}):
+        answer = post(client, "/v1/chat/completions", messages=QUESTION, max_tokens=200,
+                      response_format={"type": "json_object"}, **sampling)
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "stop", (sampling, choice)
+        objects.append(json.loads(choice["message"]["content"]))
+        assert isinstance(objects[-1], dict), (sampling, choice)
+    assert objects[0] == {} and len(objects[1]) >= 1, objects
 
 
 def test_logit_bias_moves_the_answer(served):
