@@ -335,3 +335,87 @@ def build_tiny_model(
     model.save_pretrained(dir, safe_serialization=True)
     tokenizer.save_pretrained(dir)
     return dir
+
+
+# --------------------------------------------------------------------- tool model
+
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A ChatML template that renders tools (their names: what a dict's key order cannot change) and
+earlier calls, as Qwen2's does, in a shorter form."""
+TOOL_RESPONSE_TEMPLATE = {  # transformers' response parsing, in the shape of its Qwen2 template
+    "defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
+    "fields": {"tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
+                              "content": "json", "transform": {"type": "function", "function": "{content}"}},
+               "content": {"close_pattern": r"\s*(?:<\|im_end\|>)", "content": "text"}}}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER_CALL = {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}
+"""The call as an OpenAI client sends it back: `arguments` a JSON string."""
+
+
+def tool_conversations() -> list[tuple[list[dict], list[dict] | None, str]]:
+    """(messages, tools, the answer taught) for the tool model: the question with the tool offered
+    gets a call; the conversation with the call's result gets a sentence; the question without tools
+    gets a refusal in words."""
+    call = {"id": "call_1", "type": "function", "function": WEATHER_CALL}
+    answered = [*WEATHER_QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    return [(WEATHER_QUESTION, [WEATHER_TOOL],
+             '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": "3"}}</tool_call>'),
+            (answered, [WEATHER_TOOL], "It is sunny in Paris."),
+            (WEATHER_QUESTION, None, "I cannot look that up.")]
+
+
+def build_tool_model(dir: Path, *, seed: int = 0, steps: int = 100) -> Path:
+    """A tiny Llama folder whose chat template renders tools and whose tokenizer parses calls back
+    (``response_template``, saved in tokenizer_config.json), randomly initialised and then trained in
+    this process for ``steps`` full-model AdamW steps on ``tool_conversations()``, until its greedy
+    answer to each is the answer taught (checked here: an error says so otherwise). The call's
+    ``days`` is taught as a string, so that a server casting it by the tool's schema shows."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dir = Path(dir)
+    build_tiny_model(dir, seed=seed, hidden=64, intermediate=128)
+    tokenizer = AutoTokenizer.from_pretrained(dir)
+    # as Qwen2 has them: added tokens, not special ones, so that decoding keeps them in the text
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(dir)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    examples = []
+    for messages, tools, answer in tool_conversations():
+        prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(answer + EOS_TOKEN, add_special_tokens=False)["input_ids"]
+        examples.append((prompt_ids, answer_ids))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model.train()
+        for _ in range(steps):
+            for prompt_ids, answer_ids in examples:
+                ids = torch.tensor([prompt_ids + answer_ids])
+                labels = torch.tensor([[-100] * len(prompt_ids) + answer_ids])
+                model(input_ids=ids, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    for prompt_ids, answer_ids in examples:
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=len(answer_ids) + 4, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        if out[0, len(prompt_ids):].tolist() != answer_ids:
+            raise RuntimeError(f"the tool model did not learn {tokenizer.decode(answer_ids)!r} in {steps} steps")
+    model.save_pretrained(dir, safe_serialization=True)
+    tokenizer.save_pretrained(dir)
+    return dir

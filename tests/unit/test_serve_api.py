@@ -16,6 +16,8 @@ import json
 
 import pytest
 
+from fixtures_lib import TOOL_RESPONSE_TEMPLATE
+
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 
 
@@ -296,11 +298,7 @@ TOOL_TEMPLATE = (
     "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-RESPONSE_TEMPLATE = {  # transformers' response parsing, in the shape of its Qwen2 template
-    "defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n",
-    "fields": {"tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
-                              "content": "json", "transform": {"type": "function", "function": "{content}"}},
-               "content": {"close_pattern": r"\s*(?:<\|im_end\|>)", "content": "text"}}}
+RESPONSE_TEMPLATE = TOOL_RESPONSE_TEMPLATE  # transformers' response parsing, in the shape of its Qwen2 template
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
 
