@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -120,10 +121,32 @@ def ask(run_folder: Path, requester: str, state: str | None, reason: str = "", *
     return wake(run_folder)
 
 
-def request_pause(run_folder: Path, mode: str, ledger, why: str = "lodger pause") -> int:
+@dataclass(frozen=True)
+class Asked:
+    """What ``request_pause`` did: the pid asked, and the stopped processes it continued for it."""
+
+    pid: int
+    continued: tuple[int, ...] = ()
+
+    def note(self, run_id: str, mode: str) -> str:
+        """What the owner is told about a run that was stopped, or ''."""
+        if not self.continued:
+            return ""
+        what = "checkpoint and exit" if mode == "release" else "hold (it keeps its memory, uses no CPU)"
+        return (f"run {run_id}: its process {self.pid} was stopped (Ctrl-Z, or SIGSTOP), where it cannot answer; "
+                f"continued it (SIGCONT to pid{'s' if len(self.continued) > 1 else ''} "
+                f"{', '.join(map(str, self.continued))}) to {what}")
+
+
+def request_pause(run_folder: Path, mode: str, ledger, why: str = "lodger pause") -> Asked:
     """The owner asks the local run in ``run_folder`` to release (checkpoint and exit) or hold;
-    `lodger pause` and `lodger ui` both ask through here. Returns the pid asked; raises
-    RunStateError when no process verifiably trains the run now (nothing is written then)."""
+    `lodger pause` and `lodger ui` both ask through here. Raises RunStateError when no process
+    verifiably trains the run now (nothing is written then).
+
+    A process stopped by Ctrl-Z or SIGSTOP receives the request's SIGUSR1 only once continued: the
+    owner would wait with no answer. It is continued (with what the terminal stopped beside it), so
+    that it answers now; a hold then keeps it where a stop kept it. One stopped by a debugger is
+    left to the debugger: the request is recorded, and the owner told so at once."""
     from .errors import RunStateError
     from .runlock import is_locked
 
@@ -133,8 +156,52 @@ def request_pause(run_folder: Path, mode: str, ledger, why: str = "lodger pause"
         unverified = ("; its lock is held, but not by the process its lock file names (nothing was signalled): "
                       "if an older lodger trains it, wait for it to end") if is_locked(run_folder) else ""
         raise RunStateError(f"run {run_id} is not training now{unverified}")
+    state = process_state(pid)
     ask(run_folder, "user", mode, why, ledger=ledger, event={"kind": "pause_requested", "mode": mode, "by": "user"})
-    return pid
+    if state == "t":
+        raise RunStateError(f"run {run_id}: its process {pid} is stopped by a debugger (tracing stop); the {mode} "
+                            "request is recorded, and the run answers it once the debugger lets it go on")
+    return Asked(pid, tuple(continue_stopped(pid)) if state == "T" else ())
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of proc(5) (R, S, D, T stopped, t traced, Z...) of ``pid``; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def continue_stopped(pid: int) -> list[int]:
+    """SIGCONT to the stopped process ``pid`` (the verified holder of a run's lock) and to the
+    stopped processes of its process group: what Ctrl-Z stopped with it (the command that started
+    it, its other ranks). Each is signalled by its pid, never the group; returns the pids continued."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            group = int(fh.read().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return []
+    stopped = [pid]
+    # Our own group was not stopped by a terminal (we run): its other stopped processes are not the run's.
+    for entry in os.scandir("/proc") if group != os.getpgrp() else ():
+        if not entry.name.isdigit() or int(entry.name) == pid:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[0] == "T" and int(fields[2]) == group:
+            stopped.append(int(entry.name))
+    continued = []
+    for each in stopped:
+        try:
+            os.kill(each, signal.SIGCONT)
+            continued.append(each)
+        except (ProcessLookupError, PermissionError):
+            continue  # gone, or not the owner's: nothing of ours to continue
+    return continued
 
 
 def request_continue(run_folder: Path, ledger) -> list[str]:

@@ -285,9 +285,13 @@ def _fork(args: list[str], env: dict[str, str], out: Path, err: Path, cwd: Path 
         if server.get("proc") is None or server["proc"].poll() is not None:
             folder = Path(tempfile.mkdtemp(prefix="lodger-zygote-"))
             path = folder / "socket"
+            # Not the home of the test that happens to start the server: a reaper that kills every
+            # process whose environment names its home (test_owner_first.py) took the server with it,
+            # and the next test's fork met a closed socket. Each child gets its command's own home.
+            server_env = {k: v for k, v in lodger_env().items() if k != "LODGER_HOME"}
             proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), str(path),
                                      *(["--light"] if light else [])],
-                                    env=lodger_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                    env=server_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             ready = proc.stdout.readline() if proc.stdout else b""
             assert ready.strip() == b"ready", f"the fork server did not start: {ready!r}"
             server.update(proc=proc, path=path, folder=folder, n=0)

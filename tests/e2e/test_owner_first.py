@@ -24,7 +24,7 @@ import pytest
 from helpers import (checkpoint_dirs, describe, eval_losses, final_adapter_bytes, lodger_env, read_metrics,
                      run_dir_of, run_lodger, show, start_lodger, train_records, wait_until, write_job)
 from lodger.machine import CLK_TCK, Sampler, process_jiffies
-from lodger.control import notify, run_state, write_request
+from lodger.control import notify, process_state, run_state, write_request
 from lodger.ledger import Ledger
 from lodger.runlock import is_locked, lock_pid
 
@@ -337,6 +337,33 @@ def test_pause_returns_once_the_process_is_gone(tiny_model_dir, e2e_data, env, r
     still_there = running.proc.poll() is None
     assert running.wait(60) == 0, describe(running)
     assert not still_there, "`lodger pause` said 'memory freed' while the training process was still alive"
+
+
+def test_pause_of_a_run_stopped_by_sigstop_continues_it_to_hold_or_release_and_answers_in_seconds(
+        tiny_model_dir, e2e_data, env, reaper, tmp_path):
+    """what Ctrl-Z leaves (a real SIGSTOP to the training process): `lodger pause --hold`, then (stopped
+    again) `lodger pause`, each say the run was stopped and that they continued it, and return once
+    it holds, then once its checkpoint is committed and the process gone (pause used to wait with no
+    answer until its timeout)"""
+    job = long_job(tmp_path / "job.toml", tiny_model_dir, e2e_data)
+    run_id, folder = foreground(job, env, tmp_path, reaper)
+    wait_step(folder, 2)
+    pid = lock_pid(folder)
+    took = {}
+    for args, what in ((["--hold"], "hold (it keeps its memory, uses no CPU)"), ([], "checkpoint and exit")):
+        os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: process_state(pid) == "T", 30, what="the run to be stopped", interval=POLL)
+        started = time.monotonic()
+        out = lodger(["pause", run_id, *args, "--timeout", "120"], env).stdout
+        took[what] = time.monotonic() - started
+        assert f"run {run_id}: its process {pid} was stopped (Ctrl-Z, or SIGSTOP)" in out, out
+        assert f"continued it (SIGCONT to pid {pid}) to {what}" in out, out
+    assert "checkpoint committed, memory freed" in out, out
+    assert max(took.values()) < 60, f"`lodger pause` of a stopped run took {took}"
+    wait_until(lambda: process_state(pid) is None, 60, what="the run's process to end", interval=POLL)
+    step = int(checkpoint_dirs(folder)[-1].removeprefix("step-"))
+    kinds = [e["kind"] for e in events(run_id, env)]
+    assert run_state(folder).get("step") == step and "held" in kinds and kinds[-1] == "paused", (step, kinds)
 
 
 def test_pause_hold_of_a_run_the_agent_already_holds_returns_at_once(tiny_model_dir, e2e_data, env, reaper,

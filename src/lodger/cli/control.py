@@ -29,7 +29,7 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
     Example: lodger pause my-job-20261129-101500-ab12 --hold
              lodger pause --all
     """
-    from ..control import request_pause, run_state
+    from ..control import process_state, request_pause, run_state
     from ..home import run_dir
     from ..ledger import Ledger
     from ..runlock import holder, is_locked
@@ -55,15 +55,22 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
                 continue
             folder = run_dir(run["id"])
             try:
-                pid = request_pause(folder, mode, ledger)
+                asked = request_pause(folder, mode, ledger)
             except RunStateError as exc:
                 raise RunStateError(f"{exc} (status {run['status']})") from None
-            waiting.append((run, folder, pid, time.time()))
+            if asked.note(run["id"], mode):
+                click.echo(asked.note(run["id"], mode))
+            waiting.append((run, folder, asked.pid, time.time()))
     if no_wait:
         click.echo(f"asked {len(waiting)} run(s) to {mode}")
         return
     for run, folder, pid, asked in waiting:
         while time.monotonic() - started < timeout:
+            if pid is not None and process_state(pid) in ("T", "t"):
+                raise RunStateError(f"run {run['id']}: its process {pid} is stopped and cannot {mode} until it is "
+                                    "continued (Ctrl-Z, SIGSTOP, or `stty tostop` stopping a background process "
+                                    f"that writes to its terminal); the request stands: `fg` it in its terminal, or "
+                                    f"`kill -CONT {pid}`")
             if hold:
                 state = run_state(folder)
                 if state.get("state") == "held" and state.get("time", 0) >= asked - 1:

@@ -31,8 +31,9 @@ def pause(run_id: str, mode: str) -> str:
         run = ledger.find_run(run_id)
         if run.get("target"):
             raise RunStateError(f"run {run['id']} runs on {run['target']}: pause it with `lodger pause {run['id']}`")
-        pid = request_pause(run_dir(run["id"]), mode, ledger, why="lodger ui")
-    return f"asked run {run['id']} (pid {pid}) to {mode}"
+        asked = request_pause(run_dir(run["id"]), mode, ledger, why="lodger ui")
+    return f"asked run {run['id']} (pid {asked.pid}) to {mode}" + (
+        f"; {asked.note(run['id'], mode)}" if asked.continued else "")
 
 
 def continue_run(run_id: str) -> str:
