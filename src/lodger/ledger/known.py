@@ -32,7 +32,7 @@ SHOWN = 10
 
 def worked_in(runs: Path) -> set[str]:
     """Run ids whose folders under ``runs`` hold more than what precedes the run's row."""
-    found = set()
+    found: set[str] = set()
     try:
         entries = list(os.scandir(runs))
     except FileNotFoundError:
