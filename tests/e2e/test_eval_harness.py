@@ -179,3 +179,79 @@ def test_an_lm_eval_task_is_scored_from_the_local_datasets_cache_and_without_it_
     assert set(task["metrics"]) == {"acc", "acc_norm"}
     [event] = events_of(run_id, "harness_eval")
     assert event["data"]["settings"]["limit"] == 4 and "base" not in json.loads(scored.stdout)["scores"]
+
+
+LL_DOCS = [("Reverse the words: red blue", "blue red", "red blue"), ("Spell the word cat.", "c-a-t", "cat"),
+           ("Reverse the words: sun moon star", "star moon sun", "sun star moon"),
+           ("Spell the word dog.", "d-o-g", "g-o-d"), ("Reverse the words: fish bird", "bird fish", "fish fish")]
+
+
+def loglikelihood_task(folder: Path) -> Path:
+    """A task whose metrics are its log-likelihoods: `ll_D_C` is choice C of document D's, one value
+    each (lm-eval lets a document report only its own keys), so that a score is a log-likelihood."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "ll.jsonl", "w") as out:
+        for i, (question, *choices) in enumerate(LL_DOCS):
+            out.write(json.dumps({"id": i, "question": question, "choices": choices}) + "\n")
+    (folder / "ll_probe.py").write_text(
+        "def process_results(doc, results):\n"
+        "    return {f\"ll_{doc['id']}_{c}\": ll for c, (ll, _) in enumerate(results)}\n")
+    metrics = "".join(f"  - metric: ll_{i}_{c}\n    aggregation: mean\n    higher_is_better: true\n"
+                      for i in range(len(LL_DOCS)) for c in range(2))
+    (folder / "ll.yaml").write_text(f"""task: tiny_ll
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / 'll.jsonl'}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: 0
+process_results: !function ll_probe.process_results
+metric_list:
+{metrics}""")
+    return folder
+
+
+def plain_lm_eval(pretrained: Path, manager) -> dict[str, float]:
+    """lm-eval's own `hf` model on a model folder, as its users run it: the task's values by metric."""
+    from lm_eval import simple_evaluate
+
+    results = simple_evaluate(model="hf", model_args=f"pretrained={pretrained},dtype=float32", tasks=["tiny_ll"],
+                              task_manager=manager, batch_size=8, device="cpu")
+    return {key.split(",")[0]: value for key, value in results["results"]["tiny_ll"].items()
+            if key.startswith("ll_") and "_stderr" not in key}
+
+
+def test_eval_log_likelihoods_equal_plain_lm_evals_hf_model_on_the_merged_export_and_the_adapter_moves_them(
+        finished_run, lodger_home, tiny_model_dir, tmp_path):
+    import torch
+
+    run_id = finished_run
+    env = lodger_env(lodger_home, HF_DATASETS_CACHE=str(tmp_path / "datasets-cache"))
+    tasks = loglikelihood_task(tmp_path / "tasks")
+    scored = run_lodger(["eval", run_id, "--tasks", "tiny_ll", "--include", tasks, "--json"], env)
+    assert scored.returncode == 0, describe(scored)
+    ours = {label: {m: v["value"] for m, v in score["tasks"]["tiny_ll"]["metrics"].items()}
+            for label, score in json.loads(scored.stdout)["scores"].items()}
+    assert sorted(ours) == ["adapter@step-24", "base"]
+    merged = tmp_path / "merged"
+    exported = run_lodger(["export", run_id, merged, "--format", "merged"], env)
+    assert exported.returncode == 0, describe(exported)
+
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)  # not lm-eval's thousands of tasks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the run's [training] threads, which lodger eval scores on
+    try:
+        theirs = {"base": plain_lm_eval(tiny_model_dir, manager), "adapter@step-24": plain_lm_eval(merged, manager)}
+    finally:
+        torch.set_num_threads(threads)
+    for label in ours:
+        assert sorted(ours[label]) == sorted(theirs[label]) and len(ours[label]) == 2 * len(LL_DOCS)
+        worst = max(abs(ours[label][m] - theirs[label][m]) for m in ours[label])
+        assert worst <= 1e-5, (label, worst, ours[label], theirs[label])  # measured: equal bit for bit
+    moved = max(abs(ours["adapter@step-24"][m] - ours["base"][m]) for m in ours["base"])
+    assert moved > 0.1, ("the adapter did not change the log-likelihoods", ours)
