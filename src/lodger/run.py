@@ -25,8 +25,9 @@ from .data import make_sampler, read_jsonl, split_indices, tokenize
 from .preference import row_checker, tokenize_preference
 from .distributed import Ranks
 from .errors import DiskFull, LimitReached, PreflightError, RunStateError
-from .home import refuse_links_out, run_dir
+from .home import ledger_path, refuse_links_out, run_dir
 from .ledger import Ledger
+from .ledger.known import check_known
 from .ledger.values import NewRun
 from .recovery import complete_ledger
 from .report import plural
@@ -176,7 +177,7 @@ def create_run(job_path: Path, threads: int | None = None, *, name: str | None =
     """Validate a job file and create its run (folder and ledger row) atomically.
 
     ``run_id`` is given only by a remote worker: its run keeps the id of the local run it serves."""
-    Ledger().close()  # a ledger that lost runs (ledger/known.py) is refused before anything is prepared or written
+    check_known(ledger_path())  # a ledger that lost runs is refused before anything is prepared or written
     prepared = prepare_job(job_path, threads=threads)
     job = prepared.job
     memory = preflight(prepared, force)

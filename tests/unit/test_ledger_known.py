@@ -101,3 +101,20 @@ def test_the_check_costs_under_two_milliseconds_with_three_hundred_runs():
         each = (time.perf_counter() - started) / 20
     print(f"\nthe check with 300 runs: {each * 1000:.3f} ms")
     assert each < 0.002, f"{each * 1000:.2f} ms"
+
+
+def test_the_check_before_a_run_is_prepared_makes_no_ledger_and_refuses_one_that_lost_runs():
+    """check_known (create_run's first step): no ledger.db appears in a new home; a known run passes;
+    the same home with ledger.db emptied is refused"""
+    from lodger.ledger.known import check_known
+
+    check_known(ledger_path())
+    assert not ledger_path().exists(), "a refused job would leave a new ledger behind"
+    with Ledger() as ledger:
+        _run(ledger, "run-a", "lock")
+    check_known(ledger_path())
+    for suffix in ("-wal", "-shm"):
+        Path(f"{ledger_path()}{suffix}").unlink(missing_ok=True)
+    ledger_path().write_bytes(b"")
+    with pytest.raises(LedgerError, match="run-a"):
+        check_known(ledger_path())

@@ -82,6 +82,22 @@ def connect_known(path: Path) -> sqlite3.Connection:
     return db
 
 
+def check_known(path: Path) -> None:
+    """The check ``connect_known`` makes, writing nothing and making no ledger where there is none:
+    for a command that must refuse a ledger that lost runs before it prepares anything."""
+    if _empty(path):
+        check_runs_known(path, None)
+        return
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+        try:
+            check_runs_known(path, db)
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return  # a file SQLite cannot read as it is: the command's own opening (Ledger) names it
+
+
 def _empty(path: Path) -> bool:
     try:
         return path.stat().st_size == 0
@@ -115,4 +131,4 @@ def lost_message(path: Path, runs: Path, lost: list[str]) -> str:
             "ledger without them.")
 
 
-__all__ = ["BEFORE_THE_ROW", "check_runs_known", "connect_known", "worked_in"]
+__all__ = ["BEFORE_THE_ROW", "check_known", "check_runs_known", "connect_known", "worked_in"]
