@@ -48,11 +48,23 @@ def test_estimate_is_within_15_percent_of_measured_peak_rss_on_tiny_models(wide_
         measured = {case: pool.submit(memory.measure, job, wide_model_dir, steps=2) for case, job in jobs.items()}
         runtime_bytes = runtime.result()
         peaks = {case: future.result().peak_bytes for case, future in measured.items()}
-    ratios = {case: memory.estimate(jobs[case], config, runtime_bytes=runtime_bytes).total_bytes / peaks[case]
-              for case in cases}
+    estimates = {case: memory.estimate(jobs[case], config, runtime_bytes=runtime_bytes).total_bytes for case in cases}
+    ratios = {case: estimates[case] / peaks[case] for case in cases}
     shown = ", ".join(f"{kind} seq{seq}: {ratio:.3f}" for (kind, seq), ratio in ratios.items())
     assert all(0.85 <= r <= 1.15 for r in ratios.values()), f"estimate / measured: {shown}"
     assert list((lodger_home / "cache" / "runtime").glob("*.json")), "the runtime size is cached"
+
+    # The runtime (about 450 MB here: torch, transformers, peft) is most of each total, so the ratios
+    # above say little about the part that depends on the job. That part on its own: what a longer
+    # sequence adds (seq 256 against 64, same kind: the same process, so the runtime cancels).
+    # Measured here: LoRA 1.02-1.09; full fine-tuning 1.28-1.30, the estimate's activations and
+    # allocator growing faster than the process does (an over-estimate: the safe side for "will it fit").
+    added = {kind: (estimates[(kind, 256)] - estimates[(kind, 64)]) / (peaks[(kind, 256)] - peaks[(kind, 64)])
+             for kind in ("lora", "full")}
+    shown = ", ".join(f"{kind}: {ratio:.3f} of {(peaks[(kind, 256)] - peaks[(kind, 64)]) / 2**20:.0f} MiB"
+                      for kind, ratio in added.items())
+    assert 0.85 <= added["lora"] <= 1.15 and 0.85 <= added["full"] <= 1.45, \
+        f"estimated / measured growth from seq 64 to 256: {shown}"
 
 
 @pytest.mark.parametrize("objective", ["dpo", "kto"])
