@@ -66,6 +66,12 @@ class PreflightError(LodgerError):
     exit_code = 2
 
 
+class PlanRefused(LodgerError):
+    """No setting the planner may change makes the job fit (the message says by how much); nothing was written."""
+
+    exit_code = 2
+
+
 class DatasetError(LodgerError):
     """A dataset cannot be registered or changed as asked (the message says why and what to do)."""
 

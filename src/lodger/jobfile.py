@@ -143,7 +143,8 @@ _COMMENTED_EXAMPLES: dict[str, Any] = {
     "max_foreign_gpu_memory": 0.5, "allowed_hours": "22:00-07:00", "memory_gb": 8.0,
     "gpu_memory_fraction": 0.8, "max_compute_hours": 10.0, "eval_every": 50, "threads": 2, "steps": 100,
     "revision": "main", "init_adapter": "path/to/adapter", "pack_tokens": 2048, "beta": 0.1,
-    "desirable_weight": 1.0, "undesirable_weight": 1.0}
+    "desirable_weight": 1.0, "undesirable_weight": 1.0, "base_bits": 4, "use_dora": True, "use_rslora": True,
+    "init_lora": "gaussian"}
 
 
 REMOTE_EXAMPLE = {"wall_hours": 4.0, "gpu_hours": 4.0, "cost": 10.0, "nodes": 1}

@@ -92,7 +92,10 @@ def _runtime_key(threads: int) -> str:
 
     from . import __version__
 
+    from .quant import library_version  # peft imports bitsandbytes when it is installed: part of the runtime
+
     parts = [sys.version, str(threads)] + [version(p) for p in ("torch", "transformers", "peft")] + [__version__]
+    parts += [f"bitsandbytes {library_version()}"]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

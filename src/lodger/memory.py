@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from .measure import (RUNS_PIN_ALLOCATOR, Measurement, measure, memory_available, pin_allocator,  # noqa: F401
                       runtime_bytes)
 # The model's arithmetic, re-exported: callers use memory.model_shape, memory.step_flops, ...
-from .memory_model import (Shape, activation_parts, head_only_loss, layer_bytes, logits_bytes, model_shape,  # noqa: F401
-                           step_flops, trainable_params)
+from .memory_model import (Shape, activation_parts, adapter_extras, base_bytes, head_only_loss,  # noqa: F401
+                           largest_linear, layer_bytes, logits_bytes, model_shape, step_flops, trainable_params)
 from .train.precision import MASTER_BYTES, MODES, mode
 from .train.throughput import flops_per_second, matmul_rate  # noqa: F401 (callers use memory.*)
 
@@ -43,6 +43,14 @@ GPU_ALLOCATOR_FRACTION = 0.10       # caching-allocator fragmentation on GPU (un
 # Share of the matmul benchmark's rate a training step reaches (SmolLM2, idle: 0.65-0.7; docs/memory.md).
 MATMUL_EFFICIENCY = 0.6
 CHECKPOINT_COPIES = 0               # extra memory of writing a checkpoint, x the trainable weights (streamed)
+# A quantised base ([method] base_bits; docs/qlora.md): fp32 copies of the largest quantised linear
+# alive at once (a dequantised weight in the forward or backward pass), and what loading through
+# transformers' quantiser leaves resident beyond the weights (its modules, the loader's scratch).
+DEQUANT_COPIES = 2
+QUANT_FIXED = 0
+# Seconds to dequantise one weight of a quantised base, each time a pass reads it (the forward, the
+# backward, and the recomputation under checkpointing), on this machine class (docs/qlora.md).
+DEQUANT_SECONDS = {4: 0.0, 8: 0.0}
 
 
 # -- the estimate -----------------------------------------------------------------------------
@@ -93,12 +101,10 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     gpu = device.startswith("cuda")
     total = shape.total_params
     trainable = trainable_params(shape, method)
-    weights = MASTER_BYTES * (total + (trainable if method.kind == "lora" else 0))
-    gradients = MASTER_BYTES * trainable
-    optimizer = 2 * MASTER_BYTES * trainable  # AdamW's two moments
-    saved, recomputed = activation_parts(shape, tokens, seq, method, precision=precision,
-                                         checkpointing=cfg.gradient_checkpointing)
-    activations = saved + recomputed + BACKWARD_LAYERS * layer_bytes(shape, tokens, seq, method, precision=precision)
+    weights = base_bytes(shape, getattr(method, "base_bits", None)) + MASTER_BYTES * trainable * (method.kind == "lora")
+    gradients, optimizer = MASTER_BYTES * trainable, 2 * MASTER_BYTES * trainable  # AdamW's two moments
+    activations = activation_bytes(shape, tokens, seq, method, precision, cfg.gradient_checkpointing)
+    dequant = dequantisation_bytes(shape, method)
     head_only = head_only_loss(model_config, bool(half))
     loss = logits_bytes(shape, batch, seq, head_only=head_only, head_trains=method.kind == "full")
     copies = 0.0
@@ -107,7 +113,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
         copies += precision.value_bytes * trainable if method.kind == "lora" else 0
     mask = batch * seq * seq  # the boolean causal/padding mask, built once per forward
     buffers = BUFFERS_FIXED + mask + (0 if gpu else TOKENIZER_FIXED + TOKENIZER_BYTES_PER_VOCAB * shape.vocab)
-    transient = activations + loss + copies       # freed again by the end of each step
+    transient = activations + loss + copies + dequant  # freed again by the end of each step
     # Writing a checkpoint between steps (Session.save_checkpoint): see CHECKPOINT_COPIES.
     checkpoint = 0.0 if gpu else CHECKPOINT_COPIES * MASTER_BYTES * trainable
     if gpu:
@@ -138,6 +144,8 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
              "buffers": buffers, "allocator": allocator, **reference}
     if half:
         items["autocast_copies"] = copies
+    if dequant:
+        items["dequantisation"] = dequant
     items = {k: int(round(v)) for k, v in items.items()}
     overlap = int(round(overlap))
     total_bytes = sum(items.values()) - overlap
@@ -150,6 +158,32 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
         est.flops_per_step, est.step_seconds, est.job_seconds = estimate_time(
             job, model_config, flops_per_second, seq_len=mean_width or seq, total_steps=total_steps)
     return est
+
+
+def activation_bytes(shape: Shape, tokens: int, seq: int, method, precision, checkpointing: bool) -> float:
+    """What autograd saves for a micro-batch of ``tokens`` (memory_model.activation_parts), the
+    gradients of the layer the backward pass is in (``BACKWARD_LAYERS``), and what DoRA or an 8-bit
+    base keep beyond plain LoRA (checkpointed: within the one recomputed layer, left out)."""
+    saved, recomputed = activation_parts(shape, tokens, seq, method, precision=precision, checkpointing=checkpointing)
+    activations = saved + recomputed + BACKWARD_LAYERS * layer_bytes(shape, tokens, seq, method, precision=precision)
+    if method.kind == "lora" and not checkpointing:
+        activations += adapter_extras(shape, method, tokens, precision)
+    return activations
+
+
+def dequantisation_bytes(shape: Shape, method) -> float:
+    """Scratch of a quantised base or of DoRA, in bytes, none of it kept between layers: fp32 copies
+    of the largest quantised linear (``DEQUANT_COPIES``) and the quantiser's resident share
+    (``QUANT_FIXED``); DoRA's per-layer weight norm needs the (dequantised) weight, the adapter's
+    product as a matrix (through an identity of the input width) and their sum, for the widest
+    adapted layer."""
+    scratch = 0.0
+    if getattr(method, "base_bits", None) is not None:
+        scratch += DEQUANT_COPIES * 4.0 * largest_linear(shape) + QUANT_FIXED
+    if getattr(method, "use_dora", None):
+        dims = [shape.module_dims(t) for t in method.target_modules if t not in ("lm_head", "embed_tokens")]
+        scratch += max((3 * 4.0 * n_in * n_out + 4.0 * n_in * n_in for n_in, n_out in dims), default=0.0)
+    return scratch
 
 
 def micro_batch_shape(job: "JobConfig", seq: int) -> tuple[int, int]:
@@ -201,6 +235,12 @@ def estimate_time(job: "JobConfig", model_config: dict, flops_per_second: float,
     The step count comes from [training] steps, or from ``total_steps`` for epoch-based jobs."""
     flops = step_flops(job, model_config, seq_len=seq_len)
     step = flops / (flops_per_second * MATMUL_EFFICIENCY)
+    bits = getattr(job.method, "base_bits", None)
+    if bits is not None:  # every quantised weight dequantised once per pass over it
+        from .memory_model import quantised_params
+
+        passes = job.training.grad_accum * (3 if job.training.gradient_checkpointing else 2)
+        step += passes * quantised_params(model_shape(model_config)) * DEQUANT_SECONDS[bits]
     steps = job.training.steps if job.training.steps is not None else total_steps
     return flops, step, (step * steps if steps else None)
 

@@ -78,14 +78,68 @@ def model_shape(config: dict[str, Any]) -> Shape:
 
 
 def trainable_params(shape: Shape, method) -> int:
-    """Parameters the optimizer updates: all for `full`; r*(in+out) per adapted layer for LoRA."""
+    """Parameters the optimizer updates: all for `full`; r*(in+out) per adapted layer for LoRA, and
+    with DoRA a magnitude per output row."""
     if method.kind == "full":
         return shape.total_params
     total = 0
+    dora = bool(getattr(method, "use_dora", None))
     for name in method.target_modules:
         n_in, n_out = shape.module_dims(name)
-        total += method.rank * (n_in + n_out) * (1 if name in ("lm_head", "embed_tokens") else shape.layers)
+        per_layer = method.rank * (n_in + n_out) + (n_out if dora else 0)
+        total += per_layer * (1 if name in ("lm_head", "embed_tokens") else shape.layers)
     return total
+
+
+# -- a quantised base ([method] base_bits; quant.py) ---------------------------------------------
+# Bytes per quantised weight: NF4 packs two to a byte, with a uint8 scale per 64 and an fp32 scale
+# per 256 of those (double quantisation); LLM.int8 is a byte each and an fp32 scale per output row.
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def quantised_params(shape: Shape) -> int:
+    """Weights a quantised base holds in 4 or 8 bits: every linear layer of every decoder layer
+    (transformers keeps the embeddings, the norms and the head in fp32)."""
+    return shape.layers * shape.layer_linear_params
+
+
+def base_bytes(shape: Shape, bits: int | None) -> float:
+    """The frozen base's resident bytes: fp32, or its decoder layers' linears quantised."""
+    if bits is None:
+        return 4.0 * shape.total_params
+    quantised = quantised_params(shape)
+    rest = 4.0 * (shape.total_params - quantised)
+    if bits == 4:
+        return rest + NF4_BYTES * quantised
+    rows = shape.layers * sum(shape.module_dims(name)[1] for name in _LAYER_MODULES)
+    return rest + quantised + 4.0 * rows
+
+
+def largest_linear(shape: Shape) -> int:
+    """Weights of the largest linear layer of a decoder layer (its dequantised fp32 copy is the
+    biggest scratch a quantised base needs at once)."""
+    return max(a * b for a, b in map(shape.module_dims, _LAYER_MODULES))
+
+
+def adapter_extras(shape: Shape, method, tokens: int, precision: "Mode") -> float:
+    """Bytes autograd saves per micro-batch of ``tokens`` beyond plain LoRA on an fp32 base, in all
+    layers: DoRA keeps the base's and the adapter's outputs of each adapted layer (for the gradient
+    of its magnitude), and with dropout the dequantised weight its second matmul reads; an 8-bit
+    base's matmul keeps every quantised layer's input (bitsandbytes' CPU training path), where
+    plain LoRA kept only the adapted layers' inputs."""
+    e = precision.value_bytes
+    targets = [t for t in method.target_modules if t not in ("lm_head", "embed_tokens")]
+    per_layer = 0.0
+    if getattr(method, "use_dora", None):
+        for name in targets:
+            n_in, n_out = shape.module_dims(name)
+            per_layer += 2 * n_out * e * tokens + (4 * n_in * n_out if method.dropout > 0 else 0)
+    if getattr(method, "base_bits", None) == 8:
+        groups = {"attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+        kept = set() if method.dropout > 0 else {g for g, names in groups.items() if set(names) & set(targets)}
+        widths = {"attn": shape.hidden, "mlp": shape.hidden, "down": shape.intermediate}
+        per_layer += sum(width * e * tokens for group, width in widths.items() if group not in kept)
+    return shape.layers * per_layer
 
 
 # -- activations ------------------------------------------------------------------------------

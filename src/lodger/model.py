@@ -366,7 +366,7 @@ def attach_method(model, method, seed: int):
 
     _check_targets(model, method)
     variants = {"use_dora": bool(getattr(method, "use_dora", None)), "use_rslora": bool(getattr(method, "use_rslora", None)),
-                "init_lora_weights": {None: True, "gaussian": "gaussian", "loftq": True}[getattr(method, "init_lora", None)]}
+                "init_lora_weights": {None: True, "gaussian": "gaussian"}[getattr(method, "init_lora", None)]}
     config = LoraConfig(r=method.rank, lora_alpha=method.alpha, lora_dropout=method.dropout,
                         target_modules=list(method.target_modules), bias="none", task_type="CAUSAL_LM", **variants)
     torch.manual_seed(seed)

@@ -63,11 +63,11 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from . import (agent, compare, control, data, demo, estimate, evaluate, export, federate, remote, remote_runs,
-                   report, runs, serve, train, ui)
+    from . import (agent, compare, control, data, demo, estimate, evaluate, export, federate, plan, remote,
+                   remote_runs, report, runs, serve, train, ui)
 
-    for module in (train, estimate, control, agent, runs, compare, evaluate, export, report, serve, ui, demo, data, remote,
-                   remote_runs, federate):
+    for module in (train, estimate, plan, control, agent, runs, compare, evaluate, export, report, serve, ui, demo, data,
+                   remote, remote_runs, federate):
         for command in module.COMMANDS:
             cli.add_command(command)
 

@@ -60,16 +60,17 @@ class MethodConfig(Section):
     (LLM.int8), through bitsandbytes, on the CPU or a GPU; about a seventh (4) or a quarter (8) of its
     fp32 size. Left out: the base stays fp32. Its decoder layers' linear weights are quantised when
     loaded (the embeddings, norms and head stay fp32); the checkpoint names the quantised base by its
-    sha256 instead of storing it (docs/qlora.md)."""
+    sha256 instead of storing it (docs/qlora.md). Not on a GGUF source (the default SmolLM2 is one):
+    it is quantised already; use the original model's folder or hub id."""
     use_dora: bool | None = None
     """LoRA only: DoRA (weight-decomposed LoRA): a trainable magnitude per output row of each adapted
     layer beside the low-rank direction; costs a norm of the (dequantised) weight per layer and step."""
     use_rslora: bool | None = None
     """LoRA only: rank-stabilised scaling, alpha / sqrt(rank) instead of alpha / rank."""
-    init_lora: Literal["default", "gaussian", "loftq"] | None = None
-    """How a fresh adapter starts (peft's init_lora_weights): `default` (A random, B zero, the
-    default), `gaussian`, or `loftq` (base_bits = 4 only: A and B chosen so that the quantised base
-    plus the adapter is closest to the original weights, read from the model's safetensors)."""
+    init_lora: Literal["default", "gaussian"] | None = None
+    """How a fresh adapter starts (peft's init_lora_weights): `default` (A Kaiming-uniform, B zero) or
+    `gaussian` (A normal with standard deviation 1/rank, B zero). PiSSA and LoftQ are not offered:
+    PiSSA rewrites the base (which a quantised base cannot take), and peft's LoftQ computes on a GPU only."""
 
     @model_validator(mode="before")
     @classmethod
@@ -92,9 +93,10 @@ class MethodConfig(Section):
                    else "it is a variant of the LoRA adapter")
             raise ValueError(f"{key} = {getattr(self, key)!r} with kind = {self.kind!r}: {why}; set kind = \"lora\" "
                              f"or remove {key}")
-        if self.init_lora == "loftq" and self.base_bits != 4:
-            raise ValueError(f'init_lora = "loftq" with base_bits = {self.base_bits}: LoftQ fits the adapter to '
-                             "the error of 4-bit quantisation; set base_bits = 4, or init_lora = \"default\"")
+        if self.use_dora and self.base_bits == 8:
+            raise ValueError("use_dora = true with base_bits = 8: DoRA's weight norm reads the dequantised 8-bit "
+                             "weight through peft, which loses its scales on bitsandbytes' CPU path (the first "
+                             "step fails); use base_bits = 4 with DoRA, or plain LoRA on the 8-bit base")
         if self.use_dora and self.init_adapter is not None:
             raise ValueError("use_dora = true with init_adapter: the adapter being continued is plain LoRA and has "
                              "no magnitude vectors for DoRA to continue; remove use_dora, or init_adapter")

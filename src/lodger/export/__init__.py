@@ -191,7 +191,7 @@ def _write_formats(src: Source, tmp: Path, say) -> dict | None:
         say("peft: adapter, tokenizer" + (", base/ (the base's weights, shipped)" if base.ship else ""))
     if "merged" not in formats and "gguf" not in formats:
         return None
-    model = merged_model(base.folder, _method(folder), weights)
+    model = merged_model(base.folder, _method(folder), weights, base.quantisation)
     if "merged" in formats:
         write_merged(model, base.folder, tmp / parts["merged"])
         say("merged: transformers folder")

@@ -30,6 +30,7 @@ class Base:
     gguf: dict | None = None     # {"file", "path", "quantisation"} when the base was a GGUF file
     facts: list[str] = field(default_factory=list)   # model card lines, exact and complete
     ship: bool = False           # the export carries the base's weights in <adapter>/base/
+    quantisation: dict | None = None  # [method] base_bits: provenance's record of the quantised base
 
     @property
     def adapter_base(self) -> str:
@@ -46,15 +47,31 @@ class Base:
     def load_lines(self) -> list[str]:
         """Python that loads the base weights the adapter was trained against (no lodger); a snippet's
         ``folder`` is the adapter folder."""
+        quantise = self.quantisation_lines()
+        extra = ", quantization_config=quantised" if quantise else ""
         if self.ship:
-            return [f"base = AutoModelForCausalLM.from_pretrained(folder + '/{SHIPPED}')"
+            return [*quantise, f"base = AutoModelForCausalLM.from_pretrained(folder + '/{SHIPPED}'{extra})"
                     "  # shipped: the weights as trained"]
         if self.gguf:
             return [f"base = AutoModelForCausalLM.from_pretrained({str(Path(self.gguf['path']).parent)!r},",
                     f"                                            gguf_file={self.gguf['file']!r})"
                     "  # dequantised, as trained"]
         rev = f", revision={self.revision!r}" if self.revision else ""
-        return [f"base = AutoModelForCausalLM.from_pretrained({self.name_or_path!r}{rev})"]
+        return [*quantise, f"base = AutoModelForCausalLM.from_pretrained({self.name_or_path!r}{rev}{extra})"]
+
+    def quantisation_lines(self) -> list[str]:
+        """A quantised base ([method] base_bits) as transformers rebuilds it: the same bitsandbytes
+        configuration, which quantises these weights to the very tensors the adapter trained on."""
+        q = self.quantisation
+        if not q:
+            return []
+        if q["bits"] == 4:
+            config = ("BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+                      "bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)")
+        else:
+            config = "BitsAndBytesConfig(load_in_8bit=True)"
+        return ["import torch", "from transformers import BitsAndBytesConfig",
+                f"quantised = {config}  # as trained: {q['library']} {q['version']}"]
 
     def where(self, adapter_folder: str) -> str:
         """One card line: does the export ship the base or name it, and where it is found offline."""
@@ -118,6 +135,20 @@ def describe_base(model_record: dict, mode: str = "auto") -> Base:
     folder = model_folder(source)
     base = _gguf_base(source, folder, spec) if source.kind == "gguf" else _hf_base(source, folder, spec)
     base.ship = mode == "ship" or (mode == "auto" and base.gguf is not None)
+    quantisation = model_record.get("quantisation")
+    if quantisation:
+        from ..quant import describe
+
+        base.quantisation = quantisation
+        base.facts.append(f"**Trained on a quantised base**: while the adapter trained, the base's decoder-layer "
+                          f"linear weights were held in {describe(quantisation['bits'])} {quantisation['version']} "
+                          f"(sha256 of the quantised tensors `{quantisation['sha256']}`), quantised from the weights "
+                          "above as they loaded. The adapter belongs with that quantised base: load the base with "
+                          "the BitsAndBytesConfig shown below. The merged folder and the GGUF file hold the "
+                          "quantised base dequantised to float32 with the adapter merged in. lodger computed "
+                          "every 4-bit layer on bitsandbytes' float32 path, in training and evaluation alike; "
+                          "without gradients on a CPU with AVX512-BF16 bitsandbytes computes in bfloat16 instead, "
+                          "so there the adapter's outputs are close to, not exactly, lodger's.")
     return base
 
 
