@@ -7,6 +7,8 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from helpers import describe, lodger_env, run_lodger, write_job
 
 
@@ -45,10 +47,16 @@ def test_a_run_in_a_new_home_leaves_nothing_readable_by_other_users(tmp_path: Pa
     assert _loose(home) == []  # the ledger's -wal and -shm, logs, checkpoints, control files: all of it
 
 
-def test_an_existing_loose_home_is_tightened_once_with_one_line_on_stderr(tmp_path: Path) -> None:
+def test_an_existing_loose_home_is_tightened_once_with_one_line_on_stderr(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from lodger.ledger import Ledger
+    from lodger.ledger.values import NewRun
+
     home = tmp_path / "old-home"
+    monkeypatch.setenv("LODGER_HOME", str(home))
+    with Ledger() as ledger:  # a ledger that knows r1: one that did not would be refused (ledger/known.py)
+        ledger.create_run(NewRun("r1", "job", "/models/tiny", "lora", "h", "[method]\nkind = \"lora\"\n", 8))
     (home / "runs" / "r1" / "checkpoints").mkdir(parents=True)
-    (home / "ledger.db").write_bytes(b"")
     (home / "runs" / "r1" / "metrics.jsonl").write_text("{}\n")
     os.chmod(home / "ledger.db", 0o644)
     os.chmod(home / "runs" / "r1" / "metrics.jsonl", 0o664)

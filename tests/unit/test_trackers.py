@@ -3,7 +3,11 @@ run, every step once, also after the ledger replaced steps (a kill, then a resum
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -98,16 +102,35 @@ def test_a_tracker_that_fails_is_a_warning_and_an_event_and_the_others_are_writt
     assert failed and failed["data"]["tracker"] == "mlflow"
 
 
-def test_trackio_reads_every_step_once_with_the_ledgers_values_after_a_resume(killed_and_resumed, tmp_path):
-    results = export("job-1", ["trackio"], tmp_path)  # sent while steps 5-6 were the first process's
-    assert results[0][1], results
-    _redo(range(5, 9), shift=0.5)
-    results = export("job-1", ["trackio"], tmp_path)
-    assert results[0][1], results
-    from trackio.sqlite_storage import SQLiteStorage  # Trackio's own reader of its store
+_TRACKIO = """
+import json, sys
+from pathlib import Path
+from lodger.trackers import export
+folder = Path(sys.argv[1])
+result = export("job-1", ["trackio"], folder)
+from trackio.sqlite_storage import SQLiteStorage  # Trackio's own reader of its store
+print(json.dumps({"result": result, "logs": SQLiteStorage.get_logs("lodger", "job-1"),
+                  "runs": SQLiteStorage.get_runs("lodger")}, default=str))
+"""
 
-    logs = SQLiteStorage.get_logs("lodger", "job-1")
+
+def _trackio(folder) -> dict:
+    """Export to Trackio and read its store back in a fresh interpreter: Trackio fixes its folder
+    when it is first imported, and this test process may have imported it already (TRL does)."""
+    done = subprocess.run([sys.executable, "-c", _TRACKIO, str(folder)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TRACKIO_DIR": str(folder / "trackio")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_trackio_reads_every_step_once_with_the_ledgers_values_after_a_resume(killed_and_resumed, tmp_path):
+    first = _trackio(tmp_path)  # sent while steps 5-6 were the first process's
+    assert first["result"][0][1], first["result"]
+    _redo(range(5, 9), shift=0.5)
+    second = _trackio(tmp_path)
+    assert second["result"][0][1], second["result"]
+    logs = second["logs"]
     got = [(row["step"], row["loss"]) for row in logs if "loss" in row]
     assert got == _ledger_points("loss")  # steps 1-8 once each, 5-6 with the redone values
     assert [(row["step"], row["eval_loss"]) for row in logs if "eval_loss" in row] == _ledger_points("eval_loss", "eval")
-    assert SQLiteStorage.get_runs("lodger") == ["job-1"]
+    assert second["runs"] == ["job-1"]
