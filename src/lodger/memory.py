@@ -17,7 +17,8 @@ from .measure import (RUNS_PIN_ALLOCATOR, Measurement, measure, memory_available
                       runtime_bytes)
 # The model's arithmetic, re-exported: callers use memory.model_shape, memory.step_flops, ...
 from .memory_model import (Shape, activation_parts, adapter_extras, base_bytes, head_only_loss,  # noqa: F401
-                           largest_linear, layer_bytes, logits_bytes, model_shape, step_flops, trainable_params)
+                           largest_linear, layer_bytes, logits_bytes, model_shape, quantised_params, step_flops,
+                           trainable_params)
 from .train.precision import MASTER_BYTES, MODES, mode
 from .train.throughput import flops_per_second, matmul_rate  # noqa: F401 (callers use memory.*)
 
@@ -44,13 +45,17 @@ GPU_ALLOCATOR_FRACTION = 0.10       # caching-allocator fragmentation on GPU (un
 MATMUL_EFFICIENCY = 0.6
 CHECKPOINT_COPIES = 0               # extra memory of writing a checkpoint, x the trainable weights (streamed)
 # A quantised base ([method] base_bits; docs/qlora.md): fp32 copies of the largest quantised linear
-# alive at once (a dequantised weight in the forward or backward pass), and what loading through
-# transformers' quantiser leaves resident beyond the weights (its modules, the loader's scratch).
+# alive at once (a dequantised weight in the forward or backward pass), and what quantising as it
+# loads leaves resident beyond the weights, per quantised weight (SmolLM2, 106 M quantised weights:
+# the process grew 78-82 MiB more than the quantised bytes while loading, 4- and 8-bit).
 DEQUANT_COPIES = 2
-QUANT_FIXED = 0
-# Seconds to dequantise one weight of a quantised base, each time a pass reads it (the forward, the
-# backward, and the recomputation under checkpointing), on this machine class (docs/qlora.md).
-DEQUANT_SECONDS = {4: 0.0, 8: 0.0}
+LOAD_RESIDUE = 1.0
+# Dequantising one weight of a quantised base, each time a pass reads it (the forward, the backward,
+# and the recomputation under checkpointing), in FLOPs of the estimate's matmul rate (the measured
+# rate x MATMUL_EFFICIENCY), so that it scales with the machine: a 2048 x 8192 linear's forward on
+# 512 tokens took 1.43 ns (NF4) and 1.34 ns (int8) a weight longer than fp32's beside a 172 GFLOP/s
+# matmul rate, 2 threads, an idle machine: 148 and 138 (docs/qlora.md).
+DEQUANT_FLOPS = {4: 150.0, 8: 140.0}
 
 
 # -- the estimate -----------------------------------------------------------------------------
@@ -104,7 +109,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
     weights = base_bytes(shape, getattr(method, "base_bits", None)) + MASTER_BYTES * trainable * (method.kind == "lora")
     gradients, optimizer = MASTER_BYTES * trainable, 2 * MASTER_BYTES * trainable  # AdamW's two moments
     activations = activation_bytes(shape, tokens, seq, method, precision, cfg.gradient_checkpointing)
-    dequant = dequantisation_bytes(shape, method)
+    quantised = quantisation_items(shape, method)
     head_only = head_only_loss(model_config, bool(half))
     loss = logits_bytes(shape, batch, seq, head_only=head_only, head_trains=method.kind == "full")
     copies = 0.0
@@ -113,7 +118,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
         copies += precision.value_bytes * trainable if method.kind == "lora" else 0
     mask = batch * seq * seq  # the boolean causal/padding mask, built once per forward
     buffers = BUFFERS_FIXED + mask + (0 if gpu else TOKENIZER_FIXED + TOKENIZER_BYTES_PER_VOCAB * shape.vocab)
-    transient = activations + loss + copies + dequant  # freed again by the end of each step
+    transient = activations + loss + copies + quantised.get("dequantisation", 0.0)  # freed by the end of each step
     # Writing a checkpoint between steps (Session.save_checkpoint): see CHECKPOINT_COPIES.
     checkpoint = 0.0 if gpu else CHECKPOINT_COPIES * MASTER_BYTES * trainable
     if gpu:
@@ -144,8 +149,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
              "buffers": buffers, "allocator": allocator, **reference}
     if half:
         items["autocast_copies"] = copies
-    if dequant:
-        items["dequantisation"] = dequant
+    items.update(quantised)
     items = {k: int(round(v)) for k, v in items.items()}
     overlap = int(round(overlap))
     total_bytes = sum(items.values()) - overlap
@@ -171,19 +175,21 @@ def activation_bytes(shape: Shape, tokens: int, seq: int, method, precision, che
     return activations
 
 
-def dequantisation_bytes(shape: Shape, method) -> float:
-    """Scratch of a quantised base or of DoRA, in bytes, none of it kept between layers: fp32 copies
-    of the largest quantised linear (``DEQUANT_COPIES``) and the quantiser's resident share
-    (``QUANT_FIXED``); DoRA's per-layer weight norm needs the (dequantised) weight, the adapter's
-    product as a matrix (through an identity of the input width) and their sum, for the widest
-    adapted layer."""
-    scratch = 0.0
+def quantisation_items(shape: Shape, method) -> dict[str, float]:
+    """A quantised base's and DoRA's items, in bytes. ``dequantisation``: scratch, none of it kept
+    between layers: fp32 copies of the largest quantised linear (``DEQUANT_COPIES``) and DoRA's
+    weight norm (the dequantised weight, the adapter's product as a matrix through an identity of
+    the input width, their sum) for the widest adapted layer. ``quantised_load``: what loading left
+    resident, ``LOAD_RESIDUE`` a quantised weight."""
+    items = {}
     if getattr(method, "base_bits", None) is not None:
-        scratch += DEQUANT_COPIES * 4.0 * largest_linear(shape) + QUANT_FIXED
+        items["dequantisation"] = DEQUANT_COPIES * 4.0 * largest_linear(shape)
+        items["quantised_load"] = LOAD_RESIDUE * quantised_params(shape)  # resident, not transient
     if getattr(method, "use_dora", None):
         dims = [shape.module_dims(t) for t in method.target_modules if t not in ("lm_head", "embed_tokens")]
-        scratch += max((3 * 4.0 * n_in * n_out + 4.0 * n_in * n_in for n_in, n_out in dims), default=0.0)
-    return scratch
+        items["dequantisation"] = items.get("dequantisation", 0.0) + max(
+            (3 * 4.0 * n_in * n_out + 4.0 * n_in * n_in for n_in, n_out in dims), default=0.0)
+    return items
 
 
 def micro_batch_shape(job: "JobConfig", seq: int) -> tuple[int, int]:
@@ -237,10 +243,9 @@ def estimate_time(job: "JobConfig", model_config: dict, flops_per_second: float,
     step = flops / (flops_per_second * MATMUL_EFFICIENCY)
     bits = getattr(job.method, "base_bits", None)
     if bits is not None:  # every quantised weight dequantised once per pass over it
-        from .memory_model import quantised_params
-
         passes = job.training.grad_accum * (3 if job.training.gradient_checkpointing else 2)
-        step += passes * quantised_params(model_shape(model_config)) * DEQUANT_SECONDS[bits]
+        flops_like = passes * quantised_params(model_shape(model_config)) * DEQUANT_FLOPS[bits]
+        step += flops_like / (flops_per_second * MATMUL_EFFICIENCY)
     steps = job.training.steps if job.training.steps is not None else total_steps
     return flops, step, (step * steps if steps else None)
 

@@ -173,3 +173,29 @@ def test_an_export_of_a_4bit_dora_run_merges_into_the_dequantised_base_and_its_c
     ran = subprocess.run([sys.executable, "-c", "import sys; sys.modules['lodger'] = None\n" + snippet], cwd=dest,
                          env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-2000:]
+
+
+def test_grpo_on_a_4bit_base_killed_in_the_middle_of_generation_resumes_bitwise(tiny_model_dir, tmp_path):
+    """GRPO samples with the model in eval mode without gradients: on a 4-bit base that must run the
+    same fp32 path as training (quant.keep_training_numerics), so the killed and resumed run samples
+    the same completions and ends with the same adapter."""
+    from fixtures_lib import VOWEL_REWARD
+    from test_grpo import GRPO, JOB, grpo_job
+    from test_preference import records
+
+    reward = tmp_path / "rewards.py"
+    reward.write_text(VOWEL_REWARD)
+    job = grpo_job(tmp_path, tiny_model_dir, reward)
+    job.write_text(job.read_text().replace('objective = "grpo"', 'objective = "grpo"\nbase_bits = 4'))
+    assert GRPO["num_iterations"] == 2 and JOB["every_steps"] == 3
+    _, straight = _run(job, tmp_path / "straight")
+    env = lodger_env(tmp_path / "killed")
+    killed = run_lodger(["run", job, "--quiet"], {**env, "LODGER_FAULT": "decode_step@30"})
+    assert killed_by_sigkill(killed.returncode), describe(killed)
+    run_id = killed.stdout.splitlines()[0].split()[1]
+    resumed = run_lodger(["resume", run_id], env)
+    assert resumed.returncode == 0, describe(resumed)
+    folder = run_dir_of(run_id, env)
+    assert records(folder) == records(straight)
+    assert final_adapter_bytes(folder) == final_adapter_bytes(straight)
+    assert json.loads((folder / "checkpoints" / checkpoint_dirs(folder)[-1] / "state.json").read_text())["base"]["bits"] == 4

@@ -12,7 +12,7 @@ GiB = 2**30
 
 _NOTES = {
     "runtime": "torch, transformers and peft imported (measured)",
-    "weights": "{total} parameters in fp32",
+    "weights": "{total} parameters in fp32{quantised}",
     "gradients": "{trainable} trainable parameters, fp32",
     "optimizer": "AdamW: two fp32 moments per trainable parameter",
     "activations": "{checkpointing}batch {batch} x {seq} tokens",
@@ -25,6 +25,8 @@ _NOTES = {
     "generation": "GRPO sampling: the KV cache of {batch} ({seq} positions), decode logits",
     "rollouts": "GRPO: the step's completions laid out, with their kept log-probabilities",
     "reference_model": "GRPO's KL reference for full fine-tuning: a frozen fp32 copy of the base",
+    "dequantisation": "fp32 copies of quantised weights in use (and DoRA's weight norm)",
+    "quantised_load": "what quantising the base as it loads leaves resident",
 }
 
 
@@ -98,7 +100,7 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     """
     from .. import memory
     from ..jobfile import load_job
-    from ..run import prepare
+    from ..lifecycle.run import prepare
 
     cfg = load_job(job)
     import time
@@ -156,6 +158,7 @@ def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fi
     values = {"total": _count(est.total_params), "trainable": _count(est.trainable_params),
               "batch": _batch_text(cfg, est), "seq": est.seq_len, "vocab": f"{shape.vocab:,}",
               "precision": cfg.training.precision,
+              "quantised": f", decoder linears in {cfg.method.base_bits} bits" if cfg.method.base_bits else "",
               "checkpointing": "checkpointed, " if cfg.training.gradient_checkpointing else ""}
     table = Table(title=f"{path}: peak memory on {est.device} ({cfg.method.kind}, {cfg.training.precision})",
                   box=None, title_justify="left")
