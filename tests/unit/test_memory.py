@@ -284,3 +284,25 @@ def test_estimate_is_within_10_percent_of_measure_on_a_small_model_with_variable
     assert out["packed"] and out["padding"] == 0 and out["mean_width"] < out["estimate"]["seq_len"], out
     ratio = out["measured"]["ratio"]
     assert 0.9 <= ratio <= 1.1, f"estimate / measured {ratio:.3f}: {items}, measured {out['measured']}"
+
+
+def test_a_quantised_base_estimate_is_within_10_percent_of_its_measured_peak(wide_model_dir: Path,
+                                                                            lodger_home: Path) -> None:
+    """4-bit (NF4) and 8-bit bases, each measured in a fresh process at once: the estimate counts
+    the quantised weights, the dequantisation scratch and what quantising as it loads leaves
+    resident. On this model the runtime is most of the total; the figures that test the quantised
+    items themselves are SmolLM2's (bench/qlora_memory.py, docs/qlora.md)."""
+    config = json.loads((wide_model_dir / "config.json").read_text())
+    jobs = {bits: make_job(wide_model_dir, batch=4, seq=128) for bits in (4, 8)}
+    for bits, job in jobs.items():
+        job.method.base_bits = bits
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runtime = pool.submit(memory.runtime_bytes, threads=2, use_current=False)
+        measured = {bits: pool.submit(memory.measure, job, wide_model_dir, steps=2) for bits, job in jobs.items()}
+        runtime_bytes = runtime.result()
+        peaks = {bits: future.result().peak_bytes for bits, future in measured.items()}
+    estimates = {bits: memory.estimate(job, config, runtime_bytes=runtime_bytes) for bits, job in jobs.items()}
+    assert all(est.items["quantised_load"] > 0 and est.items["dequantisation"] > 0 for est in estimates.values())
+    assert estimates[4].items["weights"] < estimates[8].items["weights"]
+    ratios = {bits: estimates[bits].total_bytes / peaks[bits] for bits in jobs}
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), f"estimate / measured: {ratios}"
