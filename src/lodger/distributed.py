@@ -2,7 +2,7 @@
 
 With ``[training] world_size = N > 1`` the `lodger run` / `lodger resume` / `_worker` process
 replaces itself (exec) with ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-lodger.cli.main _worker RUN``; each rank runs the same code (run.py and train/, with
+lodger.cli.main _worker RUN``; each rank runs the same code (lifecycle/run.py and train/, with
 train/sync.py's DataParallelSync). Rank 0 is the run as far as everyone else can tell: it holds
 the run lock (so `lodger pause` signals it), writes the ledger, metrics, log and checkpoints.
 Other ranks are quiet. torchrun tears every rank down when one dies, so a SIGKILL anywhere leaves

@@ -72,7 +72,7 @@ def run(case: dict) -> int:
 
 # Imported once, before the forks (the point of this driver): the CLI and the modules its commands
 # import to validate, none of which imports torch. A case that needs torch imports it itself.
-PRELOAD = ("lodger.cli.main", "lodger.jobfile", "lodger.config", "lodger.run", "lodger.ledger", "lodger.targets",
+PRELOAD = ("lodger.cli.main", "lodger.jobfile", "lodger.config", "lodger.lifecycle.run", "lodger.ledger", "lodger.targets",
            "lodger.gate", "lodger.datasets", "lodger.data", "lodger.control", "lodger.agent", "lodger.model",
            "lodger.remote", "lodger.runlock", "lodger.recovery", "lodger.checkpoint")
 

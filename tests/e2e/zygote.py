@@ -41,7 +41,7 @@ import threading
 from pathlib import Path
 
 PRELOAD = ("torch", "transformers", "peft", "safetensors.torch", "transformers.models.llama.modeling_llama",
-           "lodger.cli.main", "lodger.run", "lodger.train.loop", "lodger.model", "lodger.export")
+           "lodger.cli.main", "lodger.lifecycle.run", "lodger.train.loop", "lodger.model", "lodger.export")
 
 
 def _write_status(path: str, code: int) -> None:

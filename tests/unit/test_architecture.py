@@ -111,7 +111,7 @@ def _under(name: str, part: str) -> bool:
 
 # (who, may not import) pairs. A module name matches itself and everything under it.
 FORBIDDEN = [
-    ("lodger.train", ("lodger.cli", "lodger.serve", "lodger.remote", "lodger.run",
+    ("lodger.train", ("lodger.cli", "lodger.serve", "lodger.remote", "lodger.lifecycle",
                       "lodger.agent", "lodger.gate")),
     ("lodger.durable", ("lodger.train",)),
     ("lodger.checkpoint", ("lodger.train",)),

@@ -157,8 +157,8 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
     from ..durable import atomic_write
     from ..home import home
     from ..ledger import Ledger
-    from ..launch import start
-    from ..run import create_run
+    from ..lifecycle.launch import start
+    from ..lifecycle.run import create_run
 
     lock = StarterLock(queue_id)
     with Ledger() as ledger:

@@ -156,8 +156,8 @@ def reproduce(run_id: str, quiet: bool) -> None:
     """
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..launch import start
-    from ..run import JOB_FILE, create_run
+    from ..lifecycle.launch import start
+    from ..lifecycle.run import JOB_FILE, create_run
     from .. import jobfile
     from ..model import resolve_source
     from ..hashing import hash_file

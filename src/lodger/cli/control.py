@@ -178,8 +178,8 @@ def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None
     from ..distributed import inside_launch
     from ..home import run_dir
     from ..restarts import mark_starting
-    from ..launch import start
-    from ..run import resume_prepared, take_run
+    from ..lifecycle.launch import start
+    from ..lifecycle.run import resume_prepared, take_run
     from .crash import log_to_run
 
     log_to_run(run_id)  # nobody watches this process's stderr: a crash must reach the run's log
@@ -194,7 +194,7 @@ def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None
 def _job_world_size(run_id: str) -> int:
     from ..jobfile import load_job
     from ..home import run_dir
-    from ..run import JOB_FILE
+    from ..lifecycle.run import JOB_FILE
 
     return load_job(run_dir(run_id) / JOB_FILE).training.world_size
 

@@ -91,7 +91,7 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
 
         runtime_bytes(threads=threads, use_current=False)  # cached; create_run's pre-flight reads it
     with Phase("checking and tokenising the data, estimating the memory"):
-        from ..run import create_run
+        from ..lifecycle.run import create_run
 
         run_id, prepared = create_run(job_path)
     with Phase("measuring this machine (a matmul benchmark) for the forecast"):
@@ -202,7 +202,7 @@ def _train_and_show(run_id: str, prepared, prompts: list[str], threads: int, job
     from ..ledger import Ledger
     from ..report import clock
     from ..report import Phase
-    from ..launch import start
+    from ..lifecycle.launch import start
 
     # ends when the run's own live line starts (report.hand_over): loading, the attention probe
     with Phase("loading the model and starting the run"):

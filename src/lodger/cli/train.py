@@ -91,9 +91,9 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
              lodger run my-job.toml --detach
     """
     from ..jobfile import load_job
-    from ..launch import start
+    from ..lifecycle.launch import start
     from ..report import Phase
-    from ..run import create_run
+    from ..lifecycle.run import create_run
 
     started = time.monotonic()
     announced = announce_first_use(load_job(job), quiet)
@@ -149,7 +149,7 @@ def _note_unregistered(prepared) -> None:
 
 def _detach(run_id: str, fresh: bool, world_size: int, extra: list[str] | None = None, quiet: bool = False) -> None:
     from ..home import run_dir
-    from ..launch import spawn_worker, wait_until_running, wait_until_taken
+    from ..lifecycle.launch import spawn_worker, wait_until_running, wait_until_taken
 
     process = spawn_worker(run_id, fresh=fresh, extra=extra)
     if world_size == 1:
@@ -190,7 +190,7 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
     from ..jobfile import load_job
     from ..control import clear_request, request_continue
     from ..home import run_dir
-    from ..run import JOB_FILE
+    from ..lifecycle.run import JOB_FILE
     from ..ledger import Ledger
     from ..runlock import holder, is_locked
 
@@ -227,8 +227,8 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
         _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(),
                 world_size=world_size or job.training.world_size, extra=extra, quiet=quiet)
         return
-    from ..launch import start
-    from ..run import take_run
+    from ..lifecycle.launch import start
+    from ..lifecycle.run import take_run
 
     log_to_run(run["id"])
     # Alone, this process takes the run before it loads the model and restores the checkpoint: a
@@ -243,7 +243,7 @@ def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | 
     anything is written (the data, the machine or config.toml's [limits] may have changed since)."""
     from ..distributed import checkpoint_world_size, refuse_other_world_size
     from ..home import run_dir
-    from ..run import preflight, resume_prepared
+    from ..lifecycle.run import preflight, resume_prepared
 
     prepared = resume_prepared(run_id, threads, world_size)
     refuse_other_world_size(run_id, checkpoint_world_size(run_dir(run_id)), prepared.job.training.world_size)

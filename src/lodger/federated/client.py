@@ -106,7 +106,7 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
     marks = marks if marks is not None else {}
     from ..home import private_mkdir, run_dir
     from ..ledger import Ledger
-    from ..run import create_run, execute, resume_prepared
+    from ..lifecycle.run import create_run, execute, resume_prepared
     from ..runlock import is_locked
 
     from ..faults import in_round

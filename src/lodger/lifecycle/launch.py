@@ -9,10 +9,10 @@ import subprocess
 import sys
 import time
 
-from . import durable
-from .control import run_state
-from .errors import LodgerError
-from .home import run_dir
+from .. import durable
+from ..control import run_state
+from ..errors import LodgerError
+from ..home import run_dir
 
 
 def start(run_id: str, prepared, *, resuming: bool, quiet: bool = False, taken=None) -> str:
@@ -20,7 +20,7 @@ def start(run_id: str, prepared, *, resuming: bool, quiet: bool = False, taken=N
     launched group around this process yet, replace this process with torchrun's rank supervisor,
     whose ranks run it (distributed.launch; never returns). A resume on another world size than its
     checkpoint's is refused first, before any process loads the model."""
-    from . import distributed as dist
+    from .. import distributed as dist
     from .run import execute
 
     world = prepared.job.training.world_size
@@ -64,7 +64,7 @@ def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 
 def wait_until_taken(run_id: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
     """Return once the worker holds the run's lock (it then answers pause requests), in about
     the time a Python interpreter takes to start; raise with its output if it died first."""
-    from .runlock import is_locked, lock_pid
+    from ..runlock import is_locked, lock_pid
 
     folder = run_dir(run_id)
     deadline = time.monotonic() + timeout

@@ -16,29 +16,29 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import durable
-from .config import JobConfig, job_hash
-from .tomlfile import to_toml
-from .jobfile import load_job
-from .control import Control, clear_request
-from .data import make_sampler, read_jsonl, split_indices, tokenize
-from .preference import row_checker, tokenize_preference
-from .distributed import Ranks
-from .errors import DiskFull, LimitReached, PreflightError, RunStateError
-from .home import ledger_path, refuse_links_out, run_dir
-from .ledger import Ledger
-from .ledger.known import check_known
-from .ledger.values import NewRun
-from .recovery import complete_ledger
-from .report import plural
-from .restarts import mark_starting
-from .runlock import RunLock
-from .compare import segment_compute
-from .model import check_target_modules, model_folder, resolve_source, tokenizer_hash
-from .packing import example_lengths, make_planner
+from .. import durable
+from ..config import JobConfig, job_hash
+from ..tomlfile import to_toml
+from ..jobfile import load_job
+from ..control import Control, clear_request
+from ..data import make_sampler, read_jsonl, split_indices, tokenize
+from ..preference import row_checker, tokenize_preference
+from ..distributed import Ranks
+from ..errors import DiskFull, LimitReached, PreflightError, RunStateError
+from ..home import ledger_path, refuse_links_out, run_dir
+from ..ledger import Ledger
+from ..ledger.known import check_known
+from ..ledger.values import NewRun
+from ..recovery import complete_ledger
+from ..report import plural
+from ..restarts import mark_starting
+from ..runlock import RunLock
+from ..compare import segment_compute
+from ..model import check_target_modules, model_folder, resolve_source, tokenizer_hash
+from ..packing import example_lengths, make_planner
 
 if TYPE_CHECKING:
-    from .train.state import Prepared, Session
+    from ..train.state import Prepared, Session
 
 JOB_FILE = "job.toml"
 
@@ -47,15 +47,15 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     """Validate data (every line), resolve and cache the model, tokenise. Writes only caches.
 
     ``device`` skips choosing one here: the gate prepares a job for another machine's device."""
-    from .model import load_tokenizer
-    from .train.determinism import pick_device
-    from .train.state import Prepared
+    from ..model import load_tokenizer
+    from ..train.determinism import pick_device
+    from ..train.state import Prepared
 
     objective = job.method.objective
     check, encode = None, tokenize
     if objective == "grpo":  # prompt lines (prompts.py); every reward function loaded once, before anything is written
-        from .prompts import check_row, tokenize_prompts
-        from .rewards import Rewards
+        from ..prompts import check_row, tokenize_prompts
+        from ..rewards import Rewards
 
         check, encode = check_row, tokenize_prompts
         rewards = Rewards(job.rewards, job.grpo)
@@ -101,7 +101,7 @@ def quantisation_problem(job: JobConfig, source, device: str | None) -> None:
     """[method] base_bits refused before anything is written: on a GGUF file (already quantised;
     lodger dequantises it, and quantising that again stacks two rounding errors), or on a device
     bitsandbytes cannot serve here (``device`` None: the job is prepared for another machine)."""
-    from .errors import JobFileError
+    from ..errors import JobFileError
 
     bits = job.method.base_bits
     if bits is None:
@@ -111,7 +111,7 @@ def quantisation_problem(job: JobConfig, source, device: str | None) -> None:
                            "already quantised (lodger trains on it dequantised to fp32), and quantising that again "
                            "would stack a second rounding error on the first; use the original model's folder or "
                            "hub id as the source, or remove base_bits")
-    from .quant import device_problem
+    from ..quant import device_problem
 
     problem = device_problem(bits, device) if device else None
     if problem:
@@ -134,7 +134,7 @@ def prepare_job(path: Path, *, threads: int | None = None, world_size: int | Non
 
 def preflight(prepared: Prepared, force: bool = False) -> dict:
     """Estimate peak memory; refuse (before anything is written) a job that will not fit."""
-    from .memory import estimate, memory_available, reference_examples, runtime_bytes, suggestions
+    from ..memory import estimate, memory_available, reference_examples, runtime_bytes, suggestions
 
     job = prepared.job
     config = json.loads((prepared.folder / "config.json").read_text())
@@ -222,13 +222,13 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
     With [training] world_size > 1 this process is one rank of a launched group (launch.start runs
     torchrun around the run; Ray Train's workers are ranks too). ``taken``: what ``take_run``
     returned, when this process took the run early (one process only)."""
-    from . import distributed as dist
+    from .. import distributed as dist
 
     world = prepared.job.training.world_size
     ranks = Ranks()
     if world > 1:
         if not dist.inside_launch():
-            raise RunStateError(f"run {run_id} trains with {world} processes: start it with lodger.launch.start, "
+            raise RunStateError(f"run {run_id} trains with {world} processes: start it with lodger.lifecycle.launch.start, "
                                 "which launches the ranks around it")
         ranks = dist.init(world, prepared.device)
         if ranks.rank > 0:
@@ -238,9 +238,9 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
 
 def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, ranks: Ranks) -> str:
     """A rank other than 0: the same training, no lock, no ledger, no files; rank 0 speaks for the run."""
-    from .report import Reporter
-    from .train.loop import train
-    from .train.state import Session
+    from ..report import Reporter
+    from ..train.loop import train
+    from ..train.state import Session
 
     control = Control(None).install_signal_handlers()  # SIGTERM/Ctrl-C only; rank 0 broadcasts what counts
     session = Session(run_id, prepared, None, quiet=True, control=control, ranks=ranks)
@@ -259,8 +259,8 @@ def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, rank
 
 def _execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool, ranks: Ranks,
              taken: tuple[Control, RunLock] | None) -> str:
-    from .train.loop import train
-    from .train.state import Session
+    from ..train.loop import train
+    from ..train.state import Session
 
     control, lock = taken or take_run(run_id)
     ledger = Ledger()
@@ -423,7 +423,7 @@ def _record_status(session: Session, ledger: Ledger, status: str, compute) -> No
 
 
 def _reporter(session: Session, quiet: bool):
-    from .report import Reporter
+    from ..report import Reporter
 
     return Reporter(session.dir / "log.txt", session.total_steps, 0, quiet=quiet)
 

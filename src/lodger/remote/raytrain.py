@@ -46,7 +46,7 @@ def wanted(job) -> bool:
 def start(run_id: str, job_path: Path) -> str:
     """In the Ray job's driver: create or find the run, train it on Ray Train workers; the final status."""
     from ..ledger import Ledger
-    from ..run import create_run, resume_prepared
+    from ..lifecycle.run import create_run, resume_prepared
 
     with Ledger() as ledger:
         resuming = ledger.has_run(run_id)
@@ -115,7 +115,7 @@ def _rank(config: dict) -> None:
     """One rank inside a Ray Train worker: lodger's rank code in the process group Ray Train made."""
     os.environ.update(config["env"])
     ignore_pause_signal()
-    from ..run import execute, resume_prepared
+    from ..lifecycle.run import execute, resume_prepared
 
     execute(config["run_id"], resume_prepared(config["run_id"]), resuming=config["resuming"], quiet=True)
 

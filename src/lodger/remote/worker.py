@@ -137,8 +137,8 @@ def start(run_id: str, job_path: Path) -> str:
     from .. import durable
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..launch import start as train
-    from ..run import create_run, resume_prepared
+    from ..lifecycle.launch import start as train
+    from ..lifecycle.run import create_run, resume_prepared
 
     with Ledger() as ledger:
         exists = ledger.has_run(run_id)
@@ -155,8 +155,8 @@ def resume_fresh(run_id: str, job_path: Path, run_uri: str, segment: int) -> str
     metrics and log) from storage into it, and resume as a new segment after ``segment``."""
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..launch import start as train
-    from ..run import create_run
+    from ..lifecycle.launch import start as train
+    from ..lifecycle.run import create_run
     from .mirror import seed
     from .storage import Storage
 

@@ -40,7 +40,7 @@ __all__ = ["Prepared", "Progress", "Session", "TrainState"]
 
 @dataclass(frozen=True)
 class Prepared:
-    """Everything validated before a run folder exists (run.prepare_job): one value, taken as it is
+    """Everything validated before a run folder exists (lifecycle.run.prepare_job): one value, taken as it is
     by every later stage."""
 
     job: JobConfig
