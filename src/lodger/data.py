@@ -15,6 +15,7 @@ from array import array
 from itertools import accumulate
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from . import durable
 from .errors import DataError
@@ -225,21 +226,38 @@ def encode_row(row: dict, tokenizer, max_length: int, source: str) -> tuple[list
     return ids, mask
 
 
-class TokenizedSet:
-    """Examples stored flat (ids, loss mask, offsets) so they cache as safetensors, not pickle."""
+class ExampleSet(Protocol):
+    """What training reads of a tokenized data set, chats (``TokenizedSet``) or preference examples
+    (preference.PreferenceSet): examples stored flat (ids, loss mask, ``offsets`` bounding each
+    example) so they cache as safetensors, not pickle. Both kinds share these readers; each says
+    which of its tokens carry loss (``target_tokens``)."""
 
-    def __init__(self, ids, mask, offsets, lines):
-        self.ids, self.mask, self.offsets, self.lines = ids, mask, offsets, lines
+    ids: Any  # torch tensors: torch is not imported to read a job's data
+    mask: Any
+    offsets: Any
+    lines: Any
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def example(self, index: int):
+    def example(self, index: int) -> tuple[Any, Any]:
+        """An example's (ids, loss mask): all of its trained sequences, side by side."""
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
         return self.ids[start:end], self.mask[start:end]
 
     def tokens(self) -> int:
         return int(self.mask.sum())
+
+    def target_tokens(self, indices: list[int]) -> int:
+        """Tokens of these examples that carry loss once collated."""
+        ...
+
+
+class TokenizedSet(ExampleSet):
+    """Chat or text examples (one sequence each)."""
+
+    def __init__(self, ids: Any, mask: Any, offsets: Any, lines: Any):
+        self.ids, self.mask, self.offsets, self.lines = ids, mask, offsets, lines
 
     def target_tokens(self, indices: list[int]) -> int:
         """Positions with a label in these examples once collated: the mask without each first
@@ -307,7 +325,8 @@ class Sampler:
 
     def __init__(self, indices: list[int], seed: int):
         self.indices, self.seed = list(indices), seed
-        self._epoch, self._order = -1, None
+        self._epoch = -1
+        self._order: Any = None  # this epoch's permutation (numpy), made when first asked
 
     def __len__(self) -> int:
         return len(self.indices)

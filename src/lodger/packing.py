@@ -36,7 +36,7 @@ The contract (what resume and data parallelism rely on):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence, cast
 
 from .config import epoch_steps
 from .errors import JobFileError
@@ -44,7 +44,7 @@ from .errors import JobFileError
 if TYPE_CHECKING:
     import torch
 
-    from .data import Sampler, TokenizedSet
+    from .data import ExampleSet, Sampler
 
 Row = tuple[int, ...]    # dataset indices
 Pack = tuple[Row, ...]   # one micro-batch
@@ -77,7 +77,7 @@ class StepPlan:
         return [i for pack in self.packs for row in pack for i in row]
 
 
-def example_lengths(dataset: "TokenizedSet") -> list[int]:
+def example_lengths(dataset: "ExampleSet") -> list[int]:
     """Token count of every example of a tokenized set, by dataset index."""
     offsets = dataset.offsets
     return (offsets[1:] - offsets[:-1]).tolist()
@@ -165,7 +165,7 @@ class PaddedPlanner:
         """Optimizer steps until ``examples`` sampler positions (epochs x train size) are drawn."""
         return epoch_steps(examples, len(self.sampler), self.per_step)
 
-    def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
+    def collate(self, dataset: "ExampleSet", pack: "Pack", pad_id: int) -> "PackedBatch":
         return padded_batch(dataset, [row[0] for row in pack], pad_id)
 
 
@@ -187,11 +187,21 @@ class Packer(PaddedPlanner):
     def layout(self, examples: Sequence[int]) -> Pack:
         return pack_rows(examples, self.lengths, self.row_tokens)
 
-    def collate(self, dataset: "TokenizedSet", pack: "Pack", pad_id: int) -> "PackedBatch":
+    def collate(self, dataset: "ExampleSet", pack: "Pack", pad_id: int) -> "PackedBatch":
         """One micro-batch of the plan, ready for the model (no attention mask, position ids)."""
         if getattr(dataset, "preference", False):
-            return dataset.collate(pack, pad_id, packed=True, explicit_mask=self.explicit_mask, segments=self.segments)
+            preference = cast(CollatesItself, dataset)
+            return preference.collate(pack, pad_id, packed=True, explicit_mask=self.explicit_mask,
+                                      segments=self.segments)
         return collate_packed(dataset, pack, pad_id, explicit_mask=self.explicit_mask, segments=self.segments)
+
+
+class CollatesItself(Protocol):
+    """A set whose examples are more than one sequence (preference.PreferenceSet: a pair, or a KTO
+    line and its KL sequence): it lays out its own micro-batches, packed or padded."""
+
+    def collate(self, pack: Sequence[Sequence[int]], pad_id: int, *, packed: bool, explicit_mask: bool = False,
+                segments: bool = False) -> PackedBatch: ...
 
 
 def padded_batch(dataset, indices: Sequence[int], pad_id: int) -> "PackedBatch":
@@ -238,7 +248,7 @@ class PackedBatch:
     sequences: int = 0  # sequences whose log-probabilities the batch sums (preference batches)
 
 
-def collate_packed(dataset: "TokenizedSet", pack: Sequence[Sequence[int]], pad_id: int, *,
+def collate_packed(dataset: "ExampleSet", pack: Sequence[Sequence[int]], pad_id: int, *,
                    explicit_mask: bool = False, mask_dtype=None, segments: bool = False) -> PackedBatch:
     """Rows of concatenated examples, right-padded to the widest row.
 

@@ -23,7 +23,7 @@ import hashlib
 from typing import Any, Callable, Sequence
 
 from . import durable
-from .data import ROLES, DataFile, text_problem
+from .data import ROLES, DataFile, ExampleSet, text_problem
 from .errors import DataError
 from .home import cache_dir
 
@@ -168,7 +168,9 @@ def flatten(examples: list[list[tuple[list[int], list[int]]]]):
     """Examples of (ids, mask) sequences as flat tensors: ids, mask, offsets (per example), splits."""
     import torch
 
-    ids, mask, offsets, splits = [], [], [0], []
+    ids: list[int] = []
+    mask: list[int] = []
+    offsets, splits = [0], []
     for sequences in examples:
         splits.append(len(ids) + len(sequences[0][0]))
         for seq_ids, seq_mask in sequences:
@@ -205,7 +207,7 @@ def tokenize_preference(data: DataFile, tokenizer, tokenizer_sha: str, max_lengt
     return PreferenceSet.from_tensors(objective, tensors)
 
 
-class PreferenceSet:
+class PreferenceSet(ExampleSet):
     """Preference examples stored flat (safetensors, no pickle). ``offsets`` bound each example's
     trained sequences (both of a pair, side by side; KTO's one), so an example's length is what a
     packed row holds of it; ``splits`` is where a pair's second sequence starts."""
@@ -223,9 +225,6 @@ class PreferenceSet:
     def from_tensors(cls, objective: str, tensors: dict) -> "PreferenceSet":
         return cls(objective, tensors)
 
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
     def sequences(self, index: int, kl: bool = False) -> list[tuple[Any, Any]]:
         """The example's trained sequences as (ids, mask) (``kl``: its KL sequence, KTO only)."""
         if kl:
@@ -236,13 +235,6 @@ class PreferenceSet:
             return [(self.ids[start:end], self.mask[start:end])]
         split = int(self.t["splits"][index])
         return [(self.ids[start:split], self.mask[start:split]), (self.ids[split:end], self.mask[split:end])]
-
-    def example(self, index: int):
-        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
-        return self.ids[start:end], self.mask[start:end]
-
-    def tokens(self) -> int:
-        return int(self.mask.sum())
 
     def target_tokens(self, indices: list[int]) -> int:
         """Completion tokens of these examples' trained sequences that carry loss (each sequence's
