@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from . import __version__, durable
 from .hashing import sha256_bytes
@@ -61,7 +61,7 @@ def newest_world_size(root: Path) -> int | None:
     return None
 
 
-def _size_of(data) -> int:
+def _size_of(data: Any) -> int:  # bytes, or a TensorFile (tensorfile.py)
     """Bytes a checkpoint file will take: bytes as they are, a TensorFile its tensors (its header is
     small beside them)."""
     if isinstance(data, (bytes, bytearray, memoryview)):
@@ -82,7 +82,7 @@ class _Hasher:
     two, so the writer never waits for it (the queue holds views of tensors that are alive
     anyway, not copies), and each file's hash runs beside the next file's write and hash."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.digest = hashlib.sha256()
         self.size = 0
         self.chunks: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,7 +93,7 @@ class _Hasher:
         while (chunk := self.chunks.get()) is not None:
             self.digest.update(chunk)
 
-    def __call__(self, chunk) -> None:
+    def __call__(self, chunk: Any) -> None:  # a buffer: bytes, or a view of a tensor's memory
         self.size += len(chunk)
         self.chunks.put(chunk)
 

@@ -242,17 +242,20 @@ class AutoInterval:
     def __init__(self, ledger, run_id: str):
         self.ledger, self.run_id = ledger, run_id
         self.choice: IntervalChoice | None = None
-        self.history, self.costs, self.seen, self.last_save = History(), [], 0, None
+        self.history, self.seen = History(), 0
+        self.costs: list[float] = []
+        self.last_save: float | None = None
         self.recorded: float | None = None
 
     def seconds(self, last_save: float | None = None) -> float:
-        if self.choice is None or (last_save != self.last_save and self._measure()):
-            if self.choice is None:
+        choice = self.choice
+        if choice is None or (last_save != self.last_save and self._measure()):
+            if choice is None:
                 self._measure()
             self.history = machine_history(self.ledger, self.run_id)
-            self._choose()
+            choice = self._choose()
         self.last_save = last_save
-        return self.choice.seconds
+        return choice.seconds
 
     def _measure(self) -> bool:
         """Read this run's checkpoint times committed since the last read; True when there are new ones."""
@@ -264,11 +267,12 @@ class AutoInterval:
         self.costs += fresh
         return bool(fresh)
 
-    def _choose(self) -> None:
-        self.choice = choose_interval(self.costs, self.history)
-        if self.recorded is None or abs(self.choice.seconds - self.recorded) > CHANGE_RECORDED * self.recorded:
-            self.ledger.event(self.run_id, "checkpoint_interval", **self.choice.as_event())
-            self.recorded = self.choice.seconds
+    def _choose(self) -> IntervalChoice:
+        choice = self.choice = choose_interval(self.costs, self.history)
+        if self.recorded is None or abs(choice.seconds - self.recorded) > CHANGE_RECORDED * self.recorded:
+            self.ledger.event(self.run_id, "checkpoint_interval", **choice.as_event())
+            self.recorded = choice.seconds
+        return choice
 
 
 def interval_for(setting: float | str | None, ledger, run_id: str):
@@ -276,4 +280,4 @@ def interval_for(setting: float | str | None, ledger, run_id: str):
     writes the ledger, else the fixed number (a rank other than 0 never decides a save)."""
     if setting == "auto":
         return AutoInterval(ledger, run_id) if ledger is not None else FixedInterval(None)
-    return FixedInterval(setting)
+    return FixedInterval(None if isinstance(setting, str) else setting)  # "auto" is the only string a job takes

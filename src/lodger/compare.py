@@ -46,9 +46,10 @@ def segment_compute(events: list[dict]) -> list[dict]:
     return segments
 
 
-def total_compute(events: list[dict]) -> dict[str, float]:
-    """Stitched compute of all segments: seconds add up, peaks take the maximum."""
-    total = {"wall_seconds": 0.0, "cpu_seconds": 0.0, "gpu_seconds": 0.0, "peak_rss_bytes": 0,
+def total_compute(events: list[dict]) -> dict[str, Any]:
+    """Stitched compute of all segments: seconds add up, peaks take the maximum (energy_joules:
+    None where no segment could read it)."""
+    total: dict[str, Any] = {"wall_seconds": 0.0, "cpu_seconds": 0.0, "gpu_seconds": 0.0, "peak_rss_bytes": 0,
              "energy_joules": None}
     for seg in segment_compute(events):
         for key in ("wall_seconds", "cpu_seconds", "gpu_seconds"):
@@ -357,7 +358,7 @@ def figure(c: Comparison):
     names = {0: f"A {c.a}", 1: f"B {c.b}"}
     curves: list[dict[int, float]] = []
     for index, style in ((0, "-"), (1, "--")):
-        points = {s: pair[index] for s, *pair in c.losses if pair[index] is not None}
+        points = {s: value for s, *pair in c.losses if (value := pair[index]) is not None}
         curves.append(points)
         if points:
             ax.plot(list(points), list(points.values()), style, color=f"C{index}", label=names[index], linewidth=1.4)

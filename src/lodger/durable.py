@@ -27,7 +27,7 @@ import secrets
 import shutil
 import stat
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Any, Callable, Iterable, Protocol
 
 from .errors import DiskFull, LodgerError
 from .faults import FAULT_ENV, fault_point  # noqa: F401 (the hook production code calls)
@@ -53,7 +53,7 @@ def _record(op: str, path: Path, dest: Path | None = None) -> None:
         _recorder.record(op, Path(path), None if dest is None else Path(dest))
 
 
-def is_plain_name(name) -> bool:
+def is_plain_name(name: object) -> bool:
     """Whether ``name`` (read from a manifest, storage or anything else outside) is one plain file
     name: joined to a folder, it names an entry of that folder and nothing outside it."""
     return (isinstance(name, str) and name not in ("", ".", "..") and len(name.encode(errors="replace")) <= 255
@@ -135,14 +135,14 @@ def open_created(path: Path, flags: int, mode: int = 0o600) -> int:
 _FILE_MODES = {"a": os.O_WRONLY | os.O_APPEND, "a+": os.O_RDWR | os.O_APPEND, "r+": os.O_RDWR}
 
 
-def open_file(path: Path, mode: str = "a", **kwargs):
+def open_file(path: Path, mode: str = "a", **kwargs: Any) -> IO[Any]:
     """A file object for ``path`` opened in ``mode`` ("a", "a+", "r+", with "b" for bytes), the file
     made (owner-only) when missing, with its name durable (``open_created``): logs and lock files."""
     fd = open_created(path, _FILE_MODES[mode.replace("b", "")] | os.O_CLOEXEC)
     return os.fdopen(fd, mode, **kwargs)
 
 
-def open_append(path: Path):
+def open_append(path: Path) -> IO[str]:
     """Open text file ``path`` for appending, line-buffered (created owner-only, its name durable),
     refusing to follow a symbolic link: a link planted in a run folder (log.txt -> ~/.bashrc) must not
     make lodger write where it points."""
@@ -232,13 +232,16 @@ def sync_tree(folder: Path) -> None:
     fsync_dir(folder)
 
 
-def write_file(path: Path, data, observe=None) -> None:
+def write_file(path: Path, data: bytes | bytearray | memoryview | Iterable[Any],
+               observe: Callable[[Any], None] | None = None) -> None:
     """Write a new file and fsync it. Its name is durable only once the folder is fsynced.
 
     ``data`` is bytes, or an iterable of buffers written in order (a file streamed from memory it
     does not copy); ``observe(chunk)``, when given, sees each buffer just before it is written."""
-    whole = isinstance(data, (bytes, bytearray, memoryview))
-    chunks = (data,) if whole else data
+    chunks: Iterable[Any] = data
+    size: int | None = None  # known for a whole buffer, for the error when it does not fit
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        chunks, size = (data,), len(data)
     try:
         with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:  # owner-only
             _record("create", path)
@@ -255,7 +258,7 @@ def write_file(path: Path, data, observe=None) -> None:
             os.unlink(path)
         except OSError:
             pass
-        raise disk_full(path, len(data) if whole else None) from None
+        raise disk_full(path, size) from None
     _record("fsync", path)
 
 

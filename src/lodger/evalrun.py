@@ -112,13 +112,13 @@ def trained_weights(run: dict, checkpoint: int | None) -> Subject:
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
-        name = next((n for n in WEIGHT_FILES if n in ckpt.files), None)
-        if name is None:
+        weights = next((n for n in WEIGHT_FILES if n in ckpt.files), None)
+        if weights is None:
             problems.append(f"{found[step].name}: no trained weights in it")
             continue
-        files = {n: ckpt.files[n] for n in (name, "adapter_config.json") if n in ckpt.files}
-        return Subject("adapter", f"adapter@step-{step}", ckpt.manifest["files"][name]["sha256"], step,
-                       f"checkpoints/{found[step].name}/{name}", files)
+        files = {n: ckpt.files[n] for n in (weights, "adapter_config.json") if n in ckpt.files}
+        return Subject("adapter", f"adapter@step-{step}", ckpt.manifest["files"][weights]["sha256"], step,
+                       f"checkpoints/{found[step].name}/{weights}", files)
     raise RunStateError(f"run {run['id']} has no trained weights to evaluate yet (no adapter folder and no good "
                         "committed checkpoint" + (f": {'; '.join(problems)}" if problems else "") + ")")
 
@@ -163,12 +163,12 @@ def evaluate_run(run_id: str, *, tasks: list[str], include: list[Path] | None = 
             job = _job_of(run)
             _apply_limits(job, say)
             say(f"{HARNESS} {outcome.harness['version']}: loading tasks {', '.join(tasks)} (local data only)")
-            outcome.tasks = load_tasks(tasks, include, log=_harness_dir(run["id"]) / "lm-eval.log")
+            task_set = outcome.tasks = load_tasks(tasks, include, log=_harness_dir(run["id"]) / "lm-eval.log")
             settings = {"limit": limit, "batch_size": batch_size, "chat_template": chat_template}
             base_sha = source.sha256
             todo = []
             for subject in subjects:
-                key = eval_key(outcome.harness, subject, base_sha, outcome.tasks, settings)
+                key = eval_key(outcome.harness, subject, base_sha, task_set, settings)
                 earlier = None if again else recorded(ledger, run["id"], key)
                 if earlier is not None:
                     outcome.reused.append(subject.label)
@@ -180,7 +180,8 @@ def evaluate_run(run_id: str, *, tasks: list[str], include: list[Path] | None = 
                 outcome.scoring = todo[0][0]
                 try:
                     yield_now(control)  # loading tasks can take a while: answer what came meanwhile
-                    _score_all(ledger, run, job, source, model_record, todo, outcome, settings, control, threads, say)
+                    _score_all(ledger, run, job, source, model_record, todo, outcome, task_set, settings, control,
+                               threads, say)
                 except ReleaseRequested:
                     _gave_way(ledger, run["id"], outcome, control.release or {}, say)
                 except _Stopped as stop:
@@ -206,8 +207,8 @@ def _apply_limits(job, say) -> None:
         say(f"priority: nice {applied['nice']} (the run's [limits])")
 
 
-def _score_all(ledger, run, job, source, model_record, todo, outcome: Outcome, settings: dict, control: Control,
-               threads: int | None, say) -> None:
+def _score_all(ledger, run, job, source, model_record, todo, outcome: Outcome, tasks: TaskSet, settings: dict,
+               control: Control, threads: int | None, say) -> None:
     """Load the base once, score each subject on it (the adapter on top, after the base), record each."""
     import torch
 
@@ -235,16 +236,16 @@ def _score_all(ledger, run, job, source, model_record, todo, outcome: Outcome, s
         if subject.role == "adapter":
             model = _with_weights(model, subject, job.method)
         control.step = subject.step or 0
-        say(f"{subject.label}: scoring {len(outcome.tasks.tasks)} task(s) on {extra['threads']} thread(s), "
+        say(f"{subject.label}: scoring {len(tasks.tasks)} task(s) on {extra['threads']} thread(s), "
             f"batch {settings['batch_size']}" + (f", {settings['limit']} examples per task" if settings["limit"] else ""))
         started, held_before = time.perf_counter(), control.held_seconds
         with torch.no_grad():
-            results = score(model, tokenizer, outcome.tasks, limit=settings["limit"],
+            results = score(model, tokenizer, tasks, limit=settings["limit"],
                             batch_size=settings["batch_size"], chat_template=settings["chat_template"],
                             log=_harness_dir(run["id"]) / "lm-eval.log")
         held = control.held_seconds - held_before
         data = {"subject": subject.record(), "harness": outcome.harness, "settings": settings, "key": key,
-                **scores_of(results, outcome.tasks), "environment": extra,
+                **scores_of(results, tasks), "environment": extra,
                 "seconds": round(time.perf_counter() - started - held, 3), "held_seconds": round(held, 3)}
         data["seq"] = ledger.event(run["id"], "harness_eval", **data)
         _keep_results(run["id"], subject, key, results)
@@ -298,6 +299,7 @@ def _continued(ledger, run_id: str, request: dict, seconds: float, say) -> None:
 
 def _gave_way(ledger, run_id: str, outcome: Outcome, request: dict, say) -> None:
     subject = outcome.scoring
+    assert subject is not None  # set before anything that can give way starts
     outcome.stopped = {"by": request.get("by"), "reason": request.get("reason"), "label": subject.label}
     ledger.event(run_id, "eval_abandoned", by=request.get("by"), reason=request.get("reason"),
                  subject=subject.record(), scored=sorted(outcome.scores))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .config import (DATASET_PREFIX, USER_ONLY_SECTIONS, USER_SECTIONS, CheckpointConfig, DataConfig,
                      DatasetPolicyConfig, GuardConfig, JobConfig, LimitsConfig, MethodConfig, ModelConfig,
@@ -23,7 +23,9 @@ def _resolve_data(raw: dict[str, Any], base_dir: Path, unregistered: str) -> tup
     """Each data file that exists (or names a dataset) against the registry: {role: DataUse}, problems."""
     from .datasets import list_datasets, resolve
 
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    data = raw.get("data")
+    if not isinstance(data, dict):
+        data = {}
     wanted = {k: v for k, v in data.items() if k in ("train", "eval") and isinstance(v, str)
               and (v.startswith(DATASET_PREFIX) or (base_dir / v).is_file())}
     if not wanted:
@@ -213,12 +215,12 @@ def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl", re
 
         values["method"].update(objective=objective, **PREFERENCE_DEFAULTS[objective])
         values["training"].update(steps=40, batch_size=4, learning_rate=5e-4, eval_every=10)
-    sections = {"model": ModelConfig, "method": MethodConfig, "data": DataConfig,
+    sections: dict[str, type[BaseModel]] = {"model": ModelConfig, "method": MethodConfig, "data": DataConfig,
                 "training": TrainingConfig, "checkpoints": CheckpointConfig, "guard": GuardConfig,
                 "policy": PolicyConfig,
                 "limits": LimitsConfig}
     out = ["# lodger job file. Every key is optional unless marked required; run `lodger run FILE`.",
-           "", "# " + JobConfig.model_fields["name"].description, 'name = "my-job"']
+           "", "# " + (JobConfig.model_fields["name"].description or ""), 'name = "my-job"']
     for section, model in sections.items():
         out += ["", f"# {JobConfig.model_fields[section].description}", f"[{section}]"]
         for key, field in model.model_fields.items():

@@ -19,11 +19,13 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import durable
 
 if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
     from .train.record import StepRecord
 
 ETA_WINDOW = 20  # recent steps the ETA is computed from (the first steps are slower: warm-up, caches)
@@ -80,7 +82,8 @@ class Reporter:
         self.began = time.monotonic()
         self.held_total = 0.0
         self.recent: deque[float] = deque(maxlen=ETA_WINDOW)  # step seconds, held time left out
-        self.progress = self.eval_task = None
+        self.progress: Progress | None = None  # rich's live lines, at a terminal
+        self.eval_task: TaskID | None = None
         self.last: tuple | None = None   # (step, loss, target tokens/s, when): the live line's numbers
         self.started_at: float | None = None  # until then the live line says "starting"
         self.evaluating: dict | None = None
@@ -188,6 +191,7 @@ class Reporter:
 
     def _eval_info(self) -> str:
         state, now = self.evaluating, time.monotonic()
+        assert state is not None  # asked only while an eval runs
         eta = eval_eta(state["done"], state["batches"], state["at"] - state["began"], now - state["at"])
         return f"elapsed {clock(now - state['began'])} | eta {clock(eta)}"
 
@@ -219,7 +223,7 @@ class Reporter:
     def _show(self, step: int | None, what: str, info: str | None) -> None:
         if self.progress is None:
             return
-        fields = {"description": what}
+        fields: dict[str, Any] = {"description": what}
         if step is not None:
             fields["completed"] = step
         if info is not None:
@@ -286,7 +290,8 @@ class Phase:
         self.done: tuple[int, int] | None = None
         self.said = False
         self.began = 0.0
-        self.progress = self.timer = None
+        self.progress: Progress | None = None
+        self.timer: threading.Timer | None = None
         self.seconds = self.noted = 0.0
         self.lock, self.ended = threading.Lock(), False  # the timer's start line never follows the end
 

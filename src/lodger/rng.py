@@ -7,7 +7,7 @@ plain JSON.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -20,7 +20,8 @@ def capture() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         for index, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"torch_cuda_{index}"] = state
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True (the default): the tuple form, which numpy's stubs do not tell from the dict form
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, Any, int, int, float], np.random.get_state())
     state = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],

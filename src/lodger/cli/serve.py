@@ -159,6 +159,7 @@ def chat(run_id: str, max_tokens: int, temperature: float, url: str | None) -> N
     """
     from ..serve.chat import LocalChat, RemoteChat
 
+    backend: LocalChat | RemoteChat
     if url:
         from ..serve.auth import read_token
 
@@ -238,7 +239,7 @@ def _line_reader(interactive: bool):
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import InMemoryHistory  # not on disk: chats may be private
 
-    session = PromptSession(history=InMemoryHistory())
+    session: PromptSession[str] = PromptSession(history=InMemoryHistory())
     return lambda: session.prompt("you> ")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ class JobConfig(Section):
         self._data_uses = list(uses)
 
 
-def _fix_for(error: dict[str, Any], model_fields: dict[str, Any]) -> str:
+def _fix_for(error: Mapping[str, Any], model_fields: dict[str, Any]) -> str:
     kind = error["type"]
     key = str(error["loc"][-1]) if error["loc"] else ""
     if kind == "extra_forbidden":
@@ -167,7 +168,7 @@ def _section_fields(loc: tuple[Any, ...], model: type[BaseModel] | None = None) 
     return model.model_fields
 
 
-def describe(error: dict[str, Any], model: type[BaseModel] | None = None) -> str:
+def describe(error: Mapping[str, Any], model: type[BaseModel] | None = None) -> str:
     """One problem as `[section] key = value: reason; fix: ...` (``loc`` starts in ``model``, default the job)."""
     loc = tuple(error["loc"])
     section = ".".join(str(p) for p in loc[:-1])
@@ -194,13 +195,17 @@ def cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
     """Problems pydantic would report only once every field is valid; checked on the raw table so
     they are listed together with everything else."""
     problems = []
-    training = raw.get("training") if isinstance(raw.get("training"), dict) else {}
+    training = raw.get("training")
+    if not isinstance(training, dict):
+        training = {}
     if "steps" in training and "epochs" in training:
         problems.append(f"[training] steps = {training['steps']!r} and epochs = {training['epochs']!r}: "
                         "give either `steps` or `epochs`, not both; fix: remove one of them")
     elif isinstance(raw.get("training"), dict) and "steps" not in training and "epochs" not in training:
         problems.append("[training] steps: missing; add `steps = N` or `epochs = N`")
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    data = raw.get("data")
+    if not isinstance(data, dict):
+        data = {}
     for key in ("train", "eval"):
         if isinstance(data.get(key), str) and data[key].startswith(DATASET_PREFIX):
             continue  # resolved through the registry (jobfile.py)
@@ -240,6 +245,7 @@ def total_steps(job: JobConfig, n_train: int) -> int:
     """Optimizer steps the job will take, from `steps` or from `epochs` over ``n_train`` examples."""
     if job.training.steps is not None:
         return job.training.steps
+    assert job.training.epochs is not None  # TrainingConfig requires `steps` or `epochs`
     per_step = job.training.batch_size * job.training.grad_accum * job.training.world_size  # all ranks' examples
     return epoch_steps(job.training.epochs * n_train, n_train, per_step)
 

@@ -61,7 +61,7 @@ class AgentSettings(Section):
     """Runs trained side by side at most (when their threads fit); `lodger agent --max-concurrent` overrides it."""
 
 
-USER_SECTIONS = {"policy": PolicyConfig, "limits": LimitsConfig}
+USER_SECTIONS: dict[str, type[Section]] = {"policy": PolicyConfig, "limits": LimitsConfig}
 """Sections of config.toml whose keys are defaults for the job's sections of the same name."""
-USER_ONLY_SECTIONS = {"datasets": DatasetPolicyConfig, "agent": AgentSettings}
+USER_ONLY_SECTIONS: dict[str, type[Section]] = {"datasets": DatasetPolicyConfig, "agent": AgentSettings}
 """Sections of config.toml that are the user's own settings, not job defaults."""

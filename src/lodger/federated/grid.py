@@ -55,6 +55,7 @@ def choose_nodes(grid, job: JobConfig, roster: Roster, round_no: int, nodes: lis
     """The round's nodes: all connected ones, or, when the job samples fewer, the nodes of the
     clients that sampling.py's pure function of (seed, round, sorted client ids) picks."""
     fed = job.federated
+    assert fed is not None  # a federated job's server
     if fed.clients_per_round is None or fed.clients_per_round >= len(nodes):
         return nodes
     identify(grid, roster, roster.unknown(nodes), min(fed.round_timeout_seconds, IDENTIFY_SECONDS))

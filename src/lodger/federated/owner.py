@@ -284,7 +284,7 @@ def participation(ledger) -> list[dict]:
         key = data.get("participation")
         if e["kind"] == CLIENT_ROUND:
             name = (data.get("dataset") or {}).get("name")
-            key = by_dataset.get(name) or f"{data.get('job_id')}.{name}"
+            key = (name is not None and by_dataset.get(name)) or f"{data.get('job_id')}.{name}"
         if not key:
             continue
         row = found.setdefault(key, {"participation": key, "server": None, "rounds": set(), "last_round": None,

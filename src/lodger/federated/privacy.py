@@ -127,7 +127,8 @@ def central_noise(tensors: dict[str, np.ndarray], tokens: list[int], privacy: di
     from flwr.supercore.differential_privacy import add_gaussian_noise_inplace, compute_stdv
 
     n = sum(tokens) / max(tokens)  # equal clients: n; one dominant client: close to 1
-    stdv = compute_stdv(multiplier, float(clip), n)
+    # Flower's stub says int; its formula (multiplier x clip / n) takes this weighted, fractional count
+    stdv = compute_stdv(multiplier, float(clip), n)  # type: ignore[arg-type]
     names = sorted(tensors)
     arrays = [np.array(tensors[k], copy=True) for k in names]
     seed_numpy(("lodger-central-dp", seed, round_no), secret)

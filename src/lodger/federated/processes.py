@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,7 +199,7 @@ def start_superlink(home: Path, port: int, *, host: str = "127.0.0.1", insecure:
     return started
 
 
-def node_config_arg(node_config: dict[str, object]) -> str:
+def node_config_arg(node_config: Mapping[str, object]) -> str:
     """``{"dataset": "a", "steps": 2}`` as Flower's `--node-config 'dataset="a" steps=2'`."""
     parts = []
     for key, value in node_config.items():
@@ -245,7 +246,7 @@ def write_connection(flwr_home: Path, superlink: str, insecure: bool = True,
     return path
 
 
-def run_app(home: Path, superlink: str, run_config: dict[str, object], *, app_dir: Path = APP_DIR,
+def run_app(home: Path, superlink: str, run_config: Mapping[str, object], *, app_dir: Path = APP_DIR,
             insecure: bool = True, timeout: float = 120.0) -> int:
     """Submit lodger's Flower app with `flwr run APP lodger --run-config ...`; return Flower's run id.
 
@@ -278,7 +279,7 @@ def run_status(home: Path, run_id: int, timeout: float = 60.0) -> str:
         raise FederatedError(f"`flwr ls` could not read run {run_id}: {done.stdout[-800:]}{done.stderr[-800:]}") from None
 
 
-def stop_stale_run(home: Path, run_config: dict[str, object]) -> int | None:
+def stop_stale_run(home: Path, run_config: Mapping[str, object]) -> int | None:
     """Stop the Flower run of this job whose ServerApp is gone but which Flower still counts as
     `running`; return its id (None: there was none).
 

@@ -15,10 +15,10 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from .. import durable
-from ..errors import LedgerError, RunNotFound
+from ..errors import DiskFull, LedgerError, RunNotFound
 from ..home import ledger_path
 from .known import connect_known
 from . import records
@@ -65,7 +65,7 @@ class Ledger:
     def __enter__(self) -> "Ledger":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _migrate(self) -> None:
@@ -120,7 +120,7 @@ class Ledger:
         row = self.db.execute("SELECT hash FROM events WHERE seq=?", (seq,)).fetchone()
         return row["hash"] if row else None
 
-    def transaction(self):
+    def transaction(self) -> "_Transaction":
         return _Transaction(self.db, self.path)
 
     def events(self, run_id: str | None = None) -> list[dict]:
@@ -453,7 +453,7 @@ def _is_full(exc: BaseException) -> bool:
                                                or "database or disk is full" in str(exc))
 
 
-def _disk_full(path: Path):
+def _disk_full(path: Path) -> DiskFull:
     return durable.disk_full(path, LEDGER_ROOM, "the ledger; nothing of this write was recorded, "
                                                 "what it held before is intact")
 
@@ -465,7 +465,7 @@ class _Transaction:
     def __init__(self, db: sqlite3.Connection, path: Path):
         self.db, self.path = db, path
 
-    def __enter__(self):
+    def __enter__(self) -> sqlite3.Connection:
         self.depth = self.db.in_transaction
         if not self.depth:
             try:
@@ -476,7 +476,8 @@ class _Transaction:
                 raise
         return self.db
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> Literal[False]:
         if self.depth:
             return False
         try:
@@ -490,6 +491,6 @@ class _Transaction:
             if self.db.in_transaction:
                 self.db.execute("ROLLBACK")
             raise _disk_full(self.path) from None
-        if _is_full(exc):
+        if exc is not None and _is_full(exc):
             raise _disk_full(self.path) from None
         return False

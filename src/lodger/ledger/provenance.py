@@ -210,7 +210,7 @@ class ComputeMeter:
 
     RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.wall0, self.cpu0 = time.time(), time.process_time()
         self.energy0 = self._energy()
 

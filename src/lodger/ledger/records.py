@@ -26,6 +26,8 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+import sqlite3
+from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
 RUN_COLUMNS = ("name", "status", "model", "method", "job_hash", "total_steps", "step", "loss", "managed",
@@ -119,7 +121,7 @@ def queue_changes(kind: str, data: dict, run_id: str | None, at: float) -> dict[
     return changes
 
 
-def apply(db, run_id: str | None, kind: str, data: dict, at: float) -> None:
+def apply(db: sqlite3.Connection, run_id: str | None, kind: str, data: dict, at: float) -> None:
     """Bring the tables in line with one event, inside the transaction that appends it."""
     changes = run_changes(kind, data) if run_id is not None else {}
     if changes:
@@ -177,7 +179,7 @@ class Records:
     queue: dict[int, dict] = field(default_factory=dict)
     targets: dict[str, dict] = field(default_factory=dict)
 
-    def replay(self, events) -> "Records":
+    def replay(self, events: Iterable[Mapping[str, Any]]) -> "Records":
         for e in events:
             data = e["data"] if isinstance(e["data"], dict) else json.loads(e["data"])
             self.add(e["seq"], e["run_id"], e["kind"], data, e["time"])

@@ -17,8 +17,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LedgerError
+
+if TYPE_CHECKING:
+    from . import Ledger
 
 SIGNED_FIELDS = ("seq", "hash", "time", "witnessed_at")
 
@@ -27,7 +31,7 @@ def _message(line: dict) -> bytes:
     return json.dumps({k: line.get(k) for k in SIGNED_FIELDS}, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _load_key(path: Path, private: bool):
+def _load_key(path: Path, private: bool) -> Any:  # an Ed25519 private or public key (cryptography is optional)
     try:
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -48,7 +52,7 @@ def _load_key(path: Path, private: bool):
     return key
 
 
-def _raw_public(key) -> str:
+def _raw_public(key: Any) -> str:
     from cryptography.hazmat.primitives import serialization
 
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
@@ -77,7 +81,7 @@ def append_witness(path: Path, head: dict, sign_key: Path | None = None) -> dict
     return line
 
 
-def check_against(ledger, path: Path, public_key: Path | None = None) -> tuple[int, list[str]]:
+def check_against(ledger: Ledger, path: Path, public_key: Path | None = None) -> tuple[int, list[str]]:
     """Prove every head in witness file ``path`` is still in today's chain with the same hash.
 
     Returns (lines checked, problems), each problem naming the file and line. A rewritten event at
@@ -86,7 +90,8 @@ def check_against(ledger, path: Path, public_key: Path | None = None) -> tuple[i
     return count, problems
 
 
-def unconfirmed(ledger, path: Path, events: list[dict], public_key: Path | None = None) -> tuple[int | None, list[str]]:
+def unconfirmed(ledger: Ledger, path: Path, events: list[dict],
+                public_key: Path | None = None) -> tuple[int | None, list[str]]:
     """What a reader of ``events`` (`show`, `compare`) must not present as fact, by the witness file:
     (the newest row the file still confirms, or None when it confirms everything it witnessed; the
     problems). When a witnessed head is no longer in the chain, every event after the newest head
@@ -101,7 +106,7 @@ def unconfirmed(ledger, path: Path, events: list[dict], public_key: Path | None 
                      for p in problems[:1]] + problems[1:]
 
 
-def witness_check(ledger, path: Path, public_key: Path | None = None) -> tuple[int, list[str], int]:
+def witness_check(ledger: Ledger, path: Path, public_key: Path | None = None) -> tuple[int, list[str], int]:
     """(lines checked, problems, the newest witnessed row still in today's chain with its hash: the
     chain up to it is proven unchanged; 0 when none is)."""
     path = Path(path).expanduser()
@@ -139,7 +144,7 @@ def witness_check(ledger, path: Path, public_key: Path | None = None) -> tuple[i
     return count, problems, through
 
 
-def _signature_problems(verify, line: dict, where: str) -> list[str]:
+def _signature_problems(verify: Any, line: dict, where: str) -> list[str]:
     from cryptography.exceptions import InvalidSignature
 
     if "signature" not in line:

@@ -13,11 +13,12 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from . import answers
@@ -75,9 +76,10 @@ def create_app(engine: Engine, *, guard: Guard | None = None, max_queue: int = 8
 
     app = FastAPI(title="lodger", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.serve = state
-    app.add_exception_handler(ApiError, api_error)
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
+    # Starlette types every handler as taking any Exception; each of these is registered for its own class.
+    app.add_exception_handler(ApiError, api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id}", retrieve_model, methods=["GET"])
@@ -168,9 +170,10 @@ class CatchAll:
 # -- request bodies (dependencies) -------------------------------------------------------------------
 
 REFUSED = {ChatRequest: REFUSED_CHAT, CompletionRequest: REFUSED_COMPLETION}
+Body = TypeVar("Body", ChatRequest, CompletionRequest)
 
 
-async def parse(request: Request, model: type[BaseModel], state: ServeState):
+async def parse(request: Request, model: type[Body], state: ServeState) -> Body:
     try:
         raw = await request.json()
     except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's stack

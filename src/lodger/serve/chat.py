@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Iterator
 
@@ -99,7 +100,7 @@ class RemoteChat:
             raise LodgerError("a running server serves each run's newest checkpoint only: to compare steps, "
                               "chat without --url (the model is then loaded here)")
         name = self.first if what == "latest" else what
-        with self._request(f"/v1/models/{urllib.request.quote(name, safe='')}") as response:
+        with self._request(f"/v1/models/{urllib.parse.quote(name, safe='')}") as response:
             model = json.loads(response.read())
         self.name = name
         return (model.get("lodger") or {}).get("version") or name

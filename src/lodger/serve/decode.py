@@ -137,7 +137,7 @@ def report(logits, token: int, top: int, offset: int = 0) -> TokenInfo:
     import torch
 
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    best = ()
+    best: tuple[tuple[int, float], ...] = ()
     if top:
         values, ids = torch.topk(logprobs, min(top, logprobs.shape[0]))
         best = tuple(zip(ids.tolist(), values.tolist()))

@@ -77,9 +77,10 @@ class Engine:
         path = Path(path)
         if not (path / "adapter_config.json").is_file():
             raise LodgerError(f"{path}: not an adapter folder (no adapter_config.json)")
-        slot = Slot(name or path.name, "folder", source=path, version=f"{name or path.name}@folder")
+        version = f"{name or path.name}@folder"
+        slot = Slot(name or path.name, "folder", source=path, version=version)
         with self.lock:
-            self._load_adapter(path, slot.version)
+            self._load_adapter(path, version)
             self.slots[slot.name] = slot
         return slot
 
@@ -95,7 +96,7 @@ class Engine:
 
     def refresh(self, slot: Slot) -> bool:
         """Switch a run's slot to its newest verified checkpoint if that is newer; True if loaded."""
-        if not slot.source.is_dir():
+        if slot.source is None or not slot.source.is_dir():
             return False
         store = CheckpointStore(slot.source, keep_last=2)
         for step, path in store.committed():
@@ -147,7 +148,8 @@ class Engine:
                 yield
 
     def refresh_all(self) -> list[str]:
-        return [s.version for s in list(self.slots.values()) if s.kind == "run" and self.refresh(s)]
+        return [s.version for s in list(self.slots.values())
+                if s.kind == "run" and self.refresh(s) and s.version is not None]  # a refreshed slot has one
 
     # -- generation --------------------------------------------------------------------------
     @property
@@ -260,7 +262,9 @@ class Engine:
         history = rules.penalties.history(ids, self.vocab)
         eos = self.tokenizer.eos_token_id
         holdback = max((len(x) for x in stop if x), default=1) - 1  # a stop string may span tokens
-        produced, text, sent, pending = [], "", 0, []
+        produced: list[int] = []
+        pending: list[TokenInfo] = []
+        text, sent = "", 0
         for n in range(max_tokens):
             if n:
                 out = model(input_ids=torch.tensor([[produced[-1]]]), cache=out.cache, use_cache=True,

@@ -124,7 +124,9 @@ class Message(Strict):
     def as_template(self) -> dict:
         """The message as a chat template takes it: one string (text parts joined, as OpenAI does)."""
         # no content (an assistant turn of calls only) as "": templates join content to strings
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        # (``_text_only`` let text parts only through)
+        text = self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content or [] if isinstance(p, TextPart))
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name

@@ -38,7 +38,7 @@ class Namer:
 def chat_logprobs(tokens: list[TokenInfo], vocabulary) -> dict:
     name = Namer(vocabulary)
 
-    def entry(token: int, logprob: float) -> dict:
+    def entry(token: int, logprob: float | None) -> dict:
         text, raw = name(token)
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
 

@@ -10,12 +10,16 @@ compile is refused before generation with the compiler's own message.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from .schema import ApiError
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # the stub names it; the package does not re-export it
+
 #: OpenAI's JSON mode answers any JSON object; compact separators and no free whitespace keep a small
 #: model from spending its tokens on blanks (a known way for constrained small models to loop).
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 class Vocabulary:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from typing import Any
 
 from .schema import ApiError
 
 LOG = logging.getLogger("lodger.serve")
-PROBE = {"type": "function", "function": {"name": "lodger_probe_tool_x7", "description": "probe",
+PROBE: dict[str, Any] = {"type": "function", "function": {"name": "lodger_probe_tool_x7", "description": "probe",
                                           "parameters": {"type": "object", "properties": {}}}}
 
 

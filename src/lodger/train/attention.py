@@ -19,6 +19,8 @@ are exact too: causal attention never lets a real token see the padding after it
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -48,8 +50,9 @@ def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return bounds
 
 
-def segment_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      position_ids=None, **kwargs):
+def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      position_ids: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: (batch, heads, T, dim) in, (batch, T, heads, dim) out."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
@@ -71,7 +74,7 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
     return out.transpose(1, 2).contiguous(), None
 
 
-def set_attention(model, name: str = SEGMENTS) -> bool:
+def set_attention(model: torch.nn.Module, name: str = SEGMENTS) -> bool:
     """Switch a transformers model (under peft too) to attention ``name`` (``SEGMENTS``: registered
     here first); False when the model does not take it (it keeps its own)."""
     from transformers import AttentionInterface

@@ -6,19 +6,27 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import durable
-from ..checkpoint import Checkpoint, step_folder
+from ..checkpoint import Checkpoint, CheckpointStore, step_folder
 from ..errors import CheckpointError
 from ..recovery import sync_metrics
-from .holders import Entries, file_problems, split_entries
+from .holders import Entries, RunFacts, StateHolder, file_problems, split_entries
+
+if TYPE_CHECKING:
+    from ..ledger import Ledger
+    from ..ledger.provenance import ComputeMeter
+    from .guard import Guard
+    from .record import Recorder
 
 
 class Checkpointer:
     """``holders``: the ordered map of named state holders; ``facts`` the one that checks what the
     checkpoint was trained on (its ``drift`` is what ``restore`` returns)."""
 
-    def __init__(self, run_id: str, store, holders: dict, facts, sync, recorder, ledger, meter, feed=None):
+    def __init__(self, run_id: str, store: CheckpointStore, holders: dict[str, StateHolder], facts: RunFacts,
+                 sync: Any, recorder: Recorder, ledger: Ledger, meter: ComputeMeter, feed: Any = None):
         self.run_id, self.store, self.holders, self.facts = run_id, store, holders, facts
         self.sync, self.recorder, self.ledger, self.meter = sync, recorder, ledger, meter
         self.feed = feed  # [report] to: the trackers, told of each commit (report_feed.py), or None
@@ -62,7 +70,7 @@ class Checkpointer:
         return path
 
     # -- restoring ---------------------------------------------------------------------------
-    def agreed(self, on_damaged=None) -> Checkpoint | None:
+    def agreed(self, on_damaged: Callable[[Path, str, Path], None] | None = None) -> Checkpoint | None:
         """The newest good checkpoint, as every process agrees on it."""
         return self.sync.agree_checkpoint(self.store, self.check_contents, on_damaged)
 
@@ -89,7 +97,7 @@ class Checkpointer:
             holder.load_state_dict(entries)
         return self.facts.drift
 
-    def rollback(self, guard) -> None:
+    def rollback(self, guard: Guard) -> None:
         """Too many bad steps in a row: back to the last good checkpoint, lower lr, skip the bad batches."""
         from .guard import GuardState, TrainingDiverged
 

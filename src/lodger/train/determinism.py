@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from ..errors import JobFileError
 from .precision import check_device
 
+if TYPE_CHECKING:
+    from ..config import JobConfig
 
-def pick_device(job) -> str:
+
+def pick_device(job: JobConfig) -> str:
     """`auto` takes the GPU when there is one; asking for one that is not there is an error."""
     import torch
 

@@ -23,15 +23,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .loss import head_logprobs, head_parts
 from .rollout import Rollout, Sampling, advantages, layout, reward_inputs, sample, text_preview
 
+if TYPE_CHECKING:
+    from ..config import GRPOConfig
+    from ..packing import StepPlan
+    from ..prompts import PromptSet
+    from ..rewards import Rewards
+    from .precision import Precision
 
-def token_logps(model, tensors: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+
+def token_logps(model: torch.nn.Module, tensors: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     """[rows, width]: at position j, log p(token j + 1) at ``temperature`` where ``mask`` is set, 0
     elsewhere. Only those positions go through the head (loss.head_logprobs) where the model allows
     it (loss.head_parts, no autocast); otherwise whole logits."""
@@ -67,14 +74,14 @@ class RepeatPlanner:
     step's (the sampler position does not move until the next sampling). Everything else is the
     planner's it wraps."""
 
-    def __init__(self, inner, objective: "GRPO", progress):
+    def __init__(self, inner: Any, objective: "GRPO", progress: Any):
         self.inner, self.objective, self.progress = inner, objective, progress
 
-    def plan(self, position: int):
+    def plan(self, position: int) -> StepPlan:
         kept = self.objective.live_kept(self.progress.step)
         return self.inner.plan(kept.position if kept is not None else position)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
@@ -83,8 +90,9 @@ class GRPO:
 
     name, sequences = "grpo", 1
 
-    def __init__(self, grpo, rewards, *, tokenizer, dataset, eval_set, precision, device: str, sync, progress,
-                 reference=None):
+    def __init__(self, grpo: GRPOConfig, rewards: Rewards, *, tokenizer: Any, dataset: Any, eval_set: Any,
+                 precision: Precision, device: str, sync: Any, progress: Any, reference: Any = None):
+        # dataset, eval_set: PromptSets (prompts.py), held by the Session as its train and eval sets
         self.cfg, self.rewards, self.tokenizer = grpo, rewards, tokenizer
         self.dataset, self.eval_set = dataset, eval_set
         self.precision, self.device, self.sync, self.reference = precision, device, sync, reference
@@ -102,7 +110,7 @@ class GRPO:
 
     # -- the step's data -------------------------------------------------------------------------
 
-    def prepare(self, model, batches: list, step: int | None, position: int | None) -> list[Rollout]:
+    def prepare(self, model: torch.nn.Module, batches: list[Any], step: int | None, position: int | None) -> list[Rollout]:
         """The step's rollouts: sampled and scored now, or (mu > 1, a step that is not a multiple
         of mu) the kept ones; ``step`` None: an eval's greedy completions. ``position``: where the
         step's plan starts (kept with the rollouts)."""
@@ -130,7 +138,7 @@ class GRPO:
             return self.kept
         return None
 
-    def _rollout(self, model, indices: list[int], step: int | None) -> Rollout:
+    def _rollout(self, model: torch.nn.Module, indices: list[int], step: int | None) -> Rollout:
         greedy = step is None
         dataset = self.eval_set if greedy else self.dataset
         group = 1 if greedy else self.cfg.num_generations
@@ -142,7 +150,7 @@ class GRPO:
                          self.cfg.max_completion_length, self.ends)
         given = reward_inputs(dataset, rows, completions, self.tokenizer)
         scored = self.rewards.score(given["prompts"], given["completions"], given["completion_ids"], given["fields"],
-                                    given["lines"], self.progress.step if greedy else step, evaluating=greedy)
+                                    given["lines"], self.progress.step if step is None else step, evaluating=greedy)
         table = torch.tensor(scored, dtype=torch.float32)
         weights = torch.tensor(self.rewards.weights, dtype=torch.float32)
         total, advantage, zero_std = advantages(table, weights, group, self.cfg.scale_rewards == "group")
@@ -155,7 +163,7 @@ class GRPO:
         return rollout
 
     @torch.no_grad()
-    def _score_passes(self, model, rollout: Rollout) -> None:
+    def _score_passes(self, model: torch.nn.Module, rollout: Rollout) -> None:
         """The log-probabilities the loss compares with: at sampling time (mu > 1) and under the
         reference (beta > 0); eval mode, so no randomness is drawn."""
         need_old, need_ref = self.cfg.num_iterations > 1, self.cfg.beta > 0
@@ -173,13 +181,13 @@ class GRPO:
         finally:
             model.train(was_training)
 
-    def _reference_logps(self, model, tensors) -> torch.Tensor:
+    def _reference_logps(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.reference is not None:  # full fine-tuning: the frozen copy of the base
             return token_logps(self.reference, tensors, self.cfg.temperature)
         with model.disable_adapter():  # LoRA: the base is the model without its adapter, no copy
             return token_logps(model, tensors, self.cfg.temperature)
 
-    def _keep_samples(self, dataset, rollout: Rollout, given: dict) -> None:
+    def _keep_samples(self, dataset: PromptSet, rollout: Rollout, given: dict) -> None:
         room = self.cfg.eval_samples - len(self.samples)
         for r in range(min(room, rollout.rows)):
             values = rollout.tensors["rewards"][r].tolist()
@@ -192,7 +200,7 @@ class GRPO:
 
     # -- the loss (objective.py's interface) -----------------------------------------------------
 
-    def weights(self, dataset, indices: list[int]) -> tuple[float, ...]:
+    def weights(self, dataset: PromptSet, indices: list[int]) -> tuple[float, ...]:
         """The last prepared step's normaliser (every rank's completions or tokens); an eval's prompts."""
         if self.evaluating:
             return (float(len(indices)),)
@@ -203,11 +211,11 @@ class GRPO:
             return (rows * self.cfg.max_completion_length,)
         return (rows,)
 
-    def target_tokens(self, dataset, indices: list[int]) -> int:
+    def target_tokens(self, dataset: PromptSet, indices: list[int]) -> int:
         """The step's completion tokens that count in the loss (every rank's)."""
         return 0 if self.evaluating else int(self.totals[1])
 
-    def terms(self, model, batch: Rollout, device: str):
+    def terms(self, model: torch.nn.Module, batch: Rollout, device: str) -> tuple[torch.Tensor, torch.Tensor]:
         tensors = {k: v.to(device) for k, v in batch.tensors.items()}
         if batch.greedy:  # an eval: minus the total reward, and the reward sums
             return -torch.nan_to_num(tensors["total"], nan=0.0).sum(), self._reward_sums(tensors, None)
@@ -234,7 +242,7 @@ class GRPO:
                       (low + high).sum(), mask.sum()]
         return loss, self._reward_sums(tensors, torch.stack(tokens))
 
-    def _reward_sums(self, tensors, tokens: torch.Tensor | None) -> torch.Tensor:
+    def _reward_sums(self, tensors: dict[str, torch.Tensor], tokens: torch.Tensor | None) -> torch.Tensor:
         """The metric sums: per function and in total (sum, sum of squares, count), groups with all
         rewards equal, lengths, truncations; then (training) KL and clipping over tokens."""
         table, total = tensors["rewards"], tensors["total"]
@@ -251,10 +259,10 @@ class GRPO:
             sums = torch.cat([sums, tokens.double()])
         return sums
 
-    def combine(self, terms, weights):
+    def combine(self, terms: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
         return terms / weights[0]
 
-    def metrics(self, sums, weights) -> dict[str, Any]:
+    def metrics(self, sums: torch.Tensor, weights: tuple[float, ...]) -> dict[str, Any]:
         values = sums.tolist()
         out: dict[str, Any] = {}
         labels = self.rewards.labels

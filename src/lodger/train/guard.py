@@ -10,7 +10,12 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from typing import TYPE_CHECKING
+
 from ..errors import LodgerError
+
+if TYPE_CHECKING:
+    from ..config import GuardConfig
 
 
 class TrainingDiverged(LodgerError):
@@ -32,7 +37,7 @@ class Guard:
     """Judges each finished step by its loss (skip, roll back, spike) and owns ``GuardState``, which
     a checkpoint carries so that a resumed run skips the same batches and keeps its lr scale."""
 
-    def __init__(self, cfg, state: dict | None = None):
+    def __init__(self, cfg: GuardConfig, state: dict | None = None):
         self.cfg = cfg
         self.state = GuardState(**state) if state else GuardState()
 

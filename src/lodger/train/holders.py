@@ -18,13 +18,24 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from ..errors import RunStateError
 
+if TYPE_CHECKING:
+    import torch
 
-def declare(*, facts, model, method, optimizer, sync, progress, recorder, guard, precision, train_set,
-            eval_set, objective=None) -> dict[str, "StateHolder"]:
+    from ..config import MethodConfig
+    from ..preference import PreferenceSet
+    from .grpo import GRPO
+    from .guard import Guard
+    from .precision import Precision
+    from .record import Recorder
+
+
+def declare(*, facts: RunFacts, model: torch.nn.Module, method: MethodConfig, optimizer: torch.optim.Optimizer,
+            sync: Any, progress: StateHolder, recorder: Recorder, guard: Guard, precision: Precision,
+            train_set: Any, eval_set: Any, objective: Any = None) -> dict[str, "StateHolder"]:
     """The map of what a checkpoint holds, by name: the one place it is declared. Save, restore and
     the pre-restore check all iterate it (train/checkpointer.py)."""
     state: dict[str, StateHolder] = {
@@ -113,7 +124,7 @@ class Entries(Mapping):
     def __getitem__(self, key: str) -> Any:
         return self.files[key] if "." in key else self.state[key]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         yield from self.files
         yield from self.state
 
@@ -127,14 +138,14 @@ def split_entries(entries: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     return files, {key: value for key, value in entries.items() if "." not in key}
 
 
-def weights_file(method) -> str:
+def weights_file(method: MethodConfig) -> str:
     return "adapter_model.safetensors" if method.kind == "lora" else "model.safetensors"
 
 
 class Weights:
     """The trainable weights: the LoRA adapter (peft layout) or the full model."""
 
-    def __init__(self, model, method):
+    def __init__(self, model: torch.nn.Module, method: MethodConfig):
         self.model, self.method = model, method
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,7 +165,7 @@ class Weights:
 
 
 class Optimizer:
-    def __init__(self, optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
@@ -176,7 +187,7 @@ class Rng:
     """Every random generator. Rank 0's go to rng.safetensors and state.json `rng`; with several
     ranks every other rank's is gathered to rank 0 as rng-rank-N.json (the sync's collective)."""
 
-    def __init__(self, sync):
+    def __init__(self, sync: Any):  # train/sync.py's LocalSync or DataParallelSync: the rank's collectives
         self.sync = sync
 
     def state_dict(self) -> dict[str, Any]:
@@ -212,7 +223,7 @@ class Rng:
 class Evals:
     """Eval results by step (the recorder's), so a resume knows which evals already ran."""
 
-    def __init__(self, recorder):
+    def __init__(self, recorder: Recorder):
         self.recorder = recorder
 
     def state_dict(self) -> dict[str, Any]:
@@ -226,7 +237,7 @@ class Evals:
 
 
 class GuardHolder:
-    def __init__(self, guard):
+    def __init__(self, guard: Guard):
         self.guard = guard
 
     def state_dict(self) -> dict[str, Any]:
@@ -244,7 +255,7 @@ class GuardHolder:
 class Scaler:
     """The fp16 loss scaler's state ({} in other precisions)."""
 
-    def __init__(self, precision):
+    def __init__(self, precision: Precision):
         self.precision = precision
 
     def state_dict(self) -> dict[str, Any]:
@@ -261,7 +272,7 @@ class RunFacts:
     """What the checkpoint was trained on (data, model, numerics): checked on load, not restored.
     ``drift`` holds the numerics differences found by the latest load."""
 
-    def __init__(self, run_id: str, prepared, fingerprint: dict, reward_files: dict[str, str] | None = None,
+    def __init__(self, run_id: str, prepared: Any, fingerprint: dict[str, Any], reward_files: dict[str, str] | None = None,
                  base: dict[str, Any] | None = None):
         self.run_id, self.p, self.fingerprint = run_id, prepared, fingerprint
         self.reward_files = reward_files or {}  # GRPO: {reward: sha256 of the owner's file}
@@ -331,7 +342,7 @@ class Reference:
 
     NAME = "reference.safetensors"
 
-    def __init__(self, train_set, eval_set):
+    def __init__(self, train_set: PreferenceSet, eval_set: PreferenceSet | None):
         self.sets = {"train": train_set, **({"eval": eval_set} if eval_set is not None and eval_set is not train_set
                                             else {})}
 
@@ -370,7 +381,7 @@ class Rollouts:
 
     NAME = "rollouts.safetensors"
 
-    def __init__(self, objective, progress):
+    def __init__(self, objective: GRPO, progress: Any):
         self.objective, self.progress = objective, progress
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,7 +15,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING, Any
+
 from ..control import Control, write_request
+
+if TYPE_CHECKING:
+    from ..config import JobConfig, LimitsConfig, RemoteConfig
+    from ..ledger.provenance import ComputeMeter
 
 REMOTE_ENV = "LODGER_REMOTE"                  # "1" in a job started on a remote target
 COST_ENV = "LODGER_COST_PER_GPU_HOUR"         # the target's price, passed along with the job
@@ -38,7 +44,7 @@ class RemoteLimits:
     prior_wall_seconds: float = 0.0  # every earlier submission, killed ones included (remote/heartbeat.py)
 
     @classmethod
-    def for_this_process(cls, remote, device: str, world_size: int) -> "RemoteLimits | None":
+    def for_this_process(cls, remote: RemoteConfig, device: str, world_size: int) -> "RemoteLimits | None":
         """The limits to enforce here, or None when not running remotely or nothing is declared."""
         if not running_remotely() or (remote.wall_hours is None and remote.gpu_hours is None
                                       and remote.cost is None):
@@ -71,7 +77,7 @@ class RemoteLimits:
         return None
 
 
-def apply_limits(limits) -> dict:
+def apply_limits(limits: LimitsConfig) -> dict:
     """Lower this process's CPU and I/O priority and cap GPU memory; return what was applied."""
     applied: dict = {}
     try:
@@ -108,7 +114,7 @@ class LimitWatch:
     ``prior_cpu_seconds``/``prior_wall_seconds`` are earlier segments' (set by the run at start),
     so a resumed run gets no fresh allowance."""
 
-    def __init__(self, job, device: str, folder: Path, control: Control, meter):
+    def __init__(self, job: JobConfig, device: str, folder: Path, control: Control, meter: ComputeMeter):
         limits = job.limits
         self.folder, self.control, self.meter = folder, control, meter
         self.memory_ceiling = int(limits.memory_gb * 2**30) if limits.memory_gb else None
@@ -139,7 +145,7 @@ class LimitWatch:
             if reason:
                 self._reached(reason, **self.remote.measure(wall))
 
-    def _reached(self, reason: str, **measured) -> None:
+    def _reached(self, reason: str, **measured: Any) -> None:
         if self.control.release is None:
             write_request(self.folder, "limit", "release", reason, **measured)
             self.control.wake()

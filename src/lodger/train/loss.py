@@ -19,6 +19,8 @@ copy); everything else computes whole logits as before.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +34,7 @@ HEAD_ONLY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 CHUNK_BYTES = 32 * 2**20
 
 
-def head_parts(model) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+def head_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
     """(decoder, head) when ``model``'s logits are exactly ``head(decoder(...).last_hidden_state)``;
     None otherwise. Cached on the model (its structure does not change during a run)."""
     cached: tuple[torch.nn.Module, torch.nn.Linear] | None | bool = getattr(model, "_lodger_head_parts", False)
@@ -62,7 +64,8 @@ def head_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 class _HeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, grad_enabled):
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                grad_enabled: bool) -> torch.Tensor:
         rows = (labels != -100).nonzero().squeeze(1)
         chunk = -(-CHUNK_BYTES // (4 * weight.size(0)))  # rows, rounded up (the comment at CHUNK_BYTES)
         want_hidden = grad_enabled and ctx.needs_input_grad[0]
@@ -90,7 +93,7 @@ class _HeadLoss(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
         return (None if grad_hidden is None else grad_hidden * grad_output.to(grad_hidden.dtype),
                 None if grad_weight is None else (grad_weight * grad_output).to(ctx.weight_dtype),
@@ -112,7 +115,7 @@ def _chunk_rows(weight: torch.Tensor) -> int:
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels):
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
         chunk = _chunk_rows(weight)
@@ -124,7 +127,7 @@ class _HeadLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \

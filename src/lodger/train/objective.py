@@ -23,7 +23,7 @@ gradient). Rewards are beta x the policy/reference log-ratio (ORPO: beta x the m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,15 @@ import torch.nn.functional as F
 from .loss import head_logprobs, head_parts
 from .step import token_loss_sum
 
+if TYPE_CHECKING:
+    from ..config import MethodConfig
+    from ..data import ExampleSet
+    from ..preference import PreferenceSet
+    from .collaborators import Objective
 
-def sequence_logps(model, batch: dict[str, torch.Tensor], sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+def sequence_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                   sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability of each sequence's labelled tokens, their count), sequences numbered
     by ``batch["sequence"]``. Only labelled positions go through the head (``head_logprobs``)
     where the model allows it (loss.head_parts, no autocast); otherwise whole logits."""
@@ -53,18 +60,19 @@ def sequence_logps(model, batch: dict[str, torch.Tensor], sequences: int) -> tup
     return onehot @ token, onehot.sum(1)
 
 
-def _as_collated(self, model, batches: list, step: int | None, position: int | None) -> list:
+def _as_collated(self: Any, model: torch.nn.Module, batches: list[Any], step: int | None,
+                 position: int | None) -> list[Any]:
     """``prepare``: an objective that learns from its data as it is trains on the collated batches
     (GRPO's samples completions first, grpo.py)."""
     return batches
 
 
-def _data_tokens(self, dataset, indices: list[int]) -> int:
+def _data_tokens(self: Any, dataset: ExampleSet, indices: list[int]) -> int:
     """``target_tokens``: the step's tokens that carry loss, known from the data alone."""
     return dataset.target_tokens(indices)
 
 
-def _tensors(batch, device: str, prefix: str = "") -> dict[str, torch.Tensor]:
+def _tensors(batch: Any, device: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """A batch's tensors on ``device`` (``prefix``: KTO's KL batch, the prefix dropped)."""
     tensors = getattr(batch, "tensors", batch)
     return {k[len(prefix):]: v.to(device) for k, v in tensors.items()
@@ -77,17 +85,17 @@ class SFT:
     name, sequences = "sft", 1
     prepare, target_tokens = _as_collated, _data_tokens
 
-    def weights(self, dataset, indices: list[int]) -> tuple[int, ...]:
+    def weights(self, dataset: ExampleSet, indices: list[int]) -> tuple[int, ...]:
         return (dataset.target_tokens(indices),)
 
-    def terms(self, model, batch, device: str):
+    def terms(self, model: torch.nn.Module, batch: Any, device: str) -> tuple[torch.Tensor, None]:
         loss, _ = token_loss_sum(model, _tensors(batch, device))
         return loss, None
 
-    def combine(self, terms, weights):
+    def combine(self, terms: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
         return terms / weights[0]
 
-    def metrics(self, sums, weights) -> dict[str, float]:
+    def metrics(self, sums: torch.Tensor, weights: tuple[float, ...]) -> dict[str, float]:
         return {}
 
 
@@ -105,13 +113,13 @@ class DPO:
     name, sequences = "dpo", 2
     prepare, target_tokens = _as_collated, _data_tokens
 
-    def __init__(self, method):
+    def __init__(self, method: MethodConfig):
         self.beta = method.beta
 
-    def weights(self, dataset, indices: list[int]) -> tuple[int, ...]:
+    def weights(self, dataset: ExampleSet, indices: list[int]) -> tuple[int, ...]:
         return (len(indices),)
 
-    def terms(self, model, batch, device: str):
+    def terms(self, model: torch.nn.Module, batch: Any, device: str) -> tuple[torch.Tensor, torch.Tensor]:
         tensors = _tensors(batch, device)
         logps, _ = sequence_logps(model, tensors, batch.sequences)
         ratios = logps - tensors["reference"]
@@ -119,10 +127,10 @@ class DPO:
         losses = -F.logsigmoid(self.beta * (chosen - rejected))
         return losses.sum(), torch.stack(_pair_stats(self.beta * chosen.detach(), self.beta * rejected.detach()))
 
-    def combine(self, terms, weights):
+    def combine(self, terms: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
         return terms / weights[0]
 
-    def metrics(self, sums, weights) -> dict[str, float]:
+    def metrics(self, sums: torch.Tensor, weights: tuple[float, ...]) -> dict[str, float]:
         return {name: value / max(weights[0], 1) for name, value in zip(PAIR_METRICS, sums.tolist())}
 
 
@@ -138,13 +146,13 @@ class ORPO:
     name, sequences = "orpo", 2
     prepare, target_tokens = _as_collated, _data_tokens
 
-    def __init__(self, method):
+    def __init__(self, method: MethodConfig):
         self.beta = method.beta
 
-    def weights(self, dataset, indices: list[int]) -> tuple[int, ...]:
+    def weights(self, dataset: PreferenceSet, indices: list[int]) -> tuple[int, ...]:
         return (len(indices), dataset.chosen_tokens(indices))
 
-    def terms(self, model, batch, device: str):
+    def terms(self, model: torch.nn.Module, batch: Any, device: str) -> tuple[torch.Tensor, torch.Tensor]:
         logps, counts = sequence_logps(model, _tensors(batch, device), batch.sequences)
         mean = logps / counts.clamp(min=1)
         chosen, rejected = mean.chunk(2)
@@ -153,10 +161,10 @@ class ORPO:
         stats = _pair_stats(self.beta * chosen.detach(), self.beta * rejected.detach())
         return torch.stack([nll, ratio.sum()]), torch.stack(stats + [nll.detach(), ratio.detach().sum()])
 
-    def combine(self, terms, weights):
+    def combine(self, terms: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
         return terms[0] / max(weights[1], 1) - self.beta * terms[1] / weights[0]
 
-    def metrics(self, sums, weights) -> dict[str, float]:
+    def metrics(self, sums: torch.Tensor, weights: tuple[float, ...]) -> dict[str, float]:
         values = sums.tolist()
         out = {name: value / max(weights[0], 1) for name, value in zip(PAIR_METRICS, values)}
         out.update(nll=values[4] / max(weights[1], 1), log_odds_ratio=values[5] / max(weights[0], 1))
@@ -171,13 +179,13 @@ class KTO:
     name, sequences = "kto", 1
     prepare, target_tokens = _as_collated, _data_tokens
 
-    def __init__(self, method):
+    def __init__(self, method: MethodConfig):
         self.beta, self.desirable, self.undesirable = method.beta, method.desirable_weight, method.undesirable_weight
 
-    def weights(self, dataset, indices: list[int]) -> tuple[int, ...]:
+    def weights(self, dataset: ExampleSet, indices: list[int]) -> tuple[int, ...]:
         return (len(indices),)
 
-    def terms(self, model, batch, device: str):
+    def terms(self, model: torch.nn.Module, batch: Any, device: str) -> tuple[torch.Tensor, torch.Tensor]:
         tensors, mismatched, n = _tensors(batch, device), _tensors(batch, device, "kl_"), batch.sequences
         with torch.no_grad():  # as TRL: the KL term carries no gradient
             kl_logps, _ = sequence_logps(model, mismatched, n)
@@ -192,10 +200,10 @@ class KTO:
         return losses.sum(), torch.stack([rewards[good].sum(), rewards[~good].sum(), right.sum(), kl.detach() * n,
                                           good.float().sum()])
 
-    def combine(self, terms, weights):
+    def combine(self, terms: torch.Tensor, weights: tuple[float, ...]) -> torch.Tensor:
         return terms / weights[0]
 
-    def metrics(self, sums, weights) -> dict[str, float]:
+    def metrics(self, sums: torch.Tensor, weights: tuple[float, ...]) -> dict[str, float]:
         chosen, rejected, right, kl, good = sums.tolist()
         lines = max(weights[0], 1)
         bad = weights[0] - good
@@ -212,7 +220,7 @@ class KTO:
 OBJECTIVES: dict[str, Any] = {"sft": SFT, "dpo": DPO, "orpo": ORPO, "kto": KTO}
 
 
-def make_objective(method):
+def make_objective(method: MethodConfig) -> Objective:
     """The objective of a job's [method]."""
     kind = OBJECTIVES[getattr(method, "objective", "sft")]
     return kind() if kind is SFT else kind(method)

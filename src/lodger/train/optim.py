@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load as load_tensors
 
 from ..tensorfile import TensorFile
 
+if TYPE_CHECKING:
+    from ..config import TrainingConfig
 
-def build_optimizer(params: list[torch.nn.Parameter], training) -> torch.optim.Optimizer:
+
+def build_optimizer(params: list[torch.nn.Parameter], training: TrainingConfig) -> torch.optim.Optimizer:
     """AdamW; fused on CPU and GPU where torch has it (the Hugging Face Trainer's choice too)."""
     kwargs = dict(lr=training.learning_rate, weight_decay=training.weight_decay, betas=(0.9, 0.999), eps=1e-8)
     try:
@@ -22,7 +25,7 @@ def build_optimizer(params: list[torch.nn.Parameter], training) -> torch.optim.O
         return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
-def lr_at(step: int, total: int, training) -> float:
+def lr_at(step: int, total: int, training: TrainingConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine decay.
 
     A pure function of the step, so resuming needs no scheduler object to restore.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ContextManager
 
 from ..errors import JobFileError
 
@@ -82,7 +82,7 @@ class Precision:
         # Loss scaling keeps small fp16 gradients from flushing to zero; bf16 has fp32's range.
         self.scaler = torch.amp.GradScaler("cuda") if mode(mode_name).loss_scaling else None
 
-    def autocast(self):
+    def autocast(self) -> ContextManager[Any]:
         import torch
 
         return torch.autocast(self.device_type, dtype=self.dtype) if self.dtype else nullcontext()
@@ -90,12 +90,12 @@ class Precision:
     def backward(self, loss: "torch.Tensor") -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def unscale(self, optimizer) -> None:
+    def unscale(self, optimizer: "torch.optim.Optimizer") -> None:
         """Bring gradients back to their true size before clipping and the finite check."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer) -> None:
+    def step(self, optimizer: "torch.optim.Optimizer") -> None:
         if self.scaler:
             self.scaler.step(optimizer)  # skips the update itself if the gradients overflowed
             self.scaler.update()

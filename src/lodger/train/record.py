@@ -8,10 +8,13 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import durable
 
+if TYPE_CHECKING:
+    from ..control import Control
+    from ..ledger import Ledger
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -41,8 +44,8 @@ class StepRecord:
 
 
 class Recorder:
-    def __init__(self, run_id: str, folder: Path, ledger, control, progress, total_steps: int, log_every: int,
-                 writes: bool):
+    def __init__(self, run_id: str, folder: Path, ledger: Ledger, control: Control, progress: Any, total_steps: int,
+                 log_every: int, writes: bool):
         self.run_id, self.dir, self.ledger, self.control = run_id, folder, ledger, control
         self.progress, self.total_steps, self.log_every, self.writes = progress, total_steps, log_every, writes
         self.pending: list[dict] = []   # metric records not yet in the ledger (they go with checkpoints)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -26,10 +27,16 @@ from .. import durable
 from ..home import cache_dir
 from .objective import sequence_logps
 
+if TYPE_CHECKING:
+    from ..preference import PreferenceSet
+    from .precision import Precision
+
+# ``prepared`` below: the run's Prepared (what it trains on), typed where the run lifecycle defines it.
+
 FORMAT_VERSION = 1
 
 
-def cache_key(dataset_sha: str, prepared, device: str) -> str:
+def cache_key(dataset_sha: str, prepared: Any, device: str) -> str:
     job = prepared.job
     parts = [FORMAT_VERSION, dataset_sha, prepared.source.sha256, prepared.tokenizer_sha, job.data.max_length,
              job.method.objective, job.training.batch_size if job.method.objective == "kto" else 0, device,
@@ -38,7 +45,8 @@ def cache_key(dataset_sha: str, prepared, device: str) -> str:
 
 
 @torch.no_grad()
-def compute(model, dataset, *, batch_size: int, precision, device: str, pad_id: int) -> torch.Tensor:
+def compute(model: torch.nn.Module, dataset: PreferenceSet, *, batch_size: int, precision: Precision, device: str,
+            pad_id: int) -> torch.Tensor:
     """[examples, 2] float32: each example's summed completion log-probabilities under ``model``
     (pairs: chosen, rejected; KTO: the completion, its KL sequence)."""
     from ..packing import padded_batch
@@ -62,7 +70,8 @@ def compute(model, dataset, *, batch_size: int, precision, device: str, pad_id: 
     return out
 
 
-def ready(model, prepared, *, precision, device: str, pad_id: int, say) -> None:
+def ready(model: torch.nn.Module, prepared: Any, *, precision: Precision, device: str, pad_id: int,
+          say: Callable[[str], None]) -> None:
     """Give the train and eval sets their reference table (from the cache, or computed and cached)
     unless a checkpoint already did; ``say(text)`` reports what is done."""
     from safetensors.torch import load, save

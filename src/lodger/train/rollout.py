@@ -22,12 +22,16 @@ Why these choices:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..faults import fault_point
 from ..rewards.builtin import text_of
+
+if TYPE_CHECKING:
+    from ..prompts import PromptSet
+    from .precision import Precision
 
 
 @dataclass
@@ -96,8 +100,8 @@ class Sampling:
 
 
 @torch.no_grad()
-def sample(model, prompt_ids: list[list[int]], *, sampling: Sampling, pad_id: int, precision,
-           device: str) -> list[list[int]]:
+def sample(model: torch.nn.Module, prompt_ids: list[list[int]], *, sampling: Sampling, pad_id: int,
+           precision: Precision, device: str) -> list[list[int]]:
     """One completion for each prompt (the list already repeats each prompt G times): the token
     ids, through the first end token.
 
@@ -192,7 +196,8 @@ def advantages(table: torch.Tensor, weights: torch.Tensor, group: int, scale: bo
     return total, torch.nan_to_num(advantage, nan=0.0), zero_std
 
 
-def reward_inputs(dataset, indices: list[int], completions: list[list[int]], tokenizer) -> dict[str, Any]:
+def reward_inputs(dataset: PromptSet, indices: list[int], completions: list[list[int]],
+                  tokenizer: Any) -> dict[str, Any]:
     """What a reward call gets, TRL's way: the prompts as written, the completions as text (or as
     an assistant message for conversational prompts), their ids, and every other field of the
     prompts' lines, one entry per completion; and the lines, for errors."""

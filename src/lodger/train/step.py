@@ -5,14 +5,20 @@ points that let hold and release in during a step."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from .loss import head_loss_sum, head_parts
 
+if TYPE_CHECKING:
+    from ..control import Control
+    from .collaborators import Objective
+    from .precision import Precision
 
-def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+
+def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Summed next-token cross entropy over positions with a label, and how many there were.
 
     The labels move left instead of the logits (the last position predicts nothing): slicing the
@@ -34,7 +40,7 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     return loss, int((labels != -100).sum())
 
 
-def install_yield_points(model: torch.nn.Module, control) -> int:
+def install_yield_points(model: torch.nn.Module, control: Control) -> int:
     """Let hold and release requests in at every transformer layer, forward and backward.
 
     A forward pre-hook checks before each layer runs; a hook on the layer's output tensor checks
@@ -56,13 +62,14 @@ def install_yield_points(model: torch.nn.Module, control) -> int:
     return hooked
 
 
-def _hook_backward(output, control) -> None:
+def _hook_backward(output: Any, control: Control) -> None:
     tensor = output[0] if isinstance(output, (tuple, list)) else output
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
         tensor.register_hook(control.yield_point)  # returns None: the gradient is left as it is
 
 
-def micro_step(objective, model, batch, precision, device: str, weights: tuple[float, ...],
+def micro_step(objective: Objective, model: torch.nn.Module, batch: Any, precision: Precision, device: str,
+               weights: tuple[float, ...],
                factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward and backward of one micro-batch: the objective's loss terms (objective.py), combined
     with the whole step's normalisers ``weights`` (``factor``: test-only fault injection, see
@@ -76,7 +83,8 @@ def micro_step(objective, model, batch, precision, device: str, weights: tuple[f
     return loss.detach(), sums
 
 
-def optimizer_step(params, optimizer, precision, max_norm: float, loss_sum: torch.Tensor):
+def optimizer_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, precision: Precision,
+                   max_norm: float, loss_sum: torch.Tensor) -> tuple[float, float, bool, bool]:
     """Clip, check finite, update (or skip); return (loss, grad norm, finite, fp16 overflow)."""
     precision.unscale(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -32,13 +32,24 @@ The loop needs nothing else: it never asks which kind it was given.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..ckpt_interval import interval_for
 from ..control import ReleaseRequested
 
+if TYPE_CHECKING:
+    import torch
 
-def _newest_good(store, check, on_damaged):
+    from ..checkpoint import Checkpoint, CheckpointStore
+    from ..control import Control
+    from .limits import LimitWatch
+
+Check = Callable[["Checkpoint"], None]           # raises CheckpointError when a checkpoint cannot be restored
+OnDamaged = Callable[[Path, str, Path], None]  # (the damaged folder, why, where it was moved aside)
+
+
+def _newest_good(store: CheckpointStore, check: Check, on_damaged: OnDamaged | None) -> Checkpoint | None:
     return store.latest_good(on_damaged=on_damaged, check=check)
 
 
@@ -47,13 +58,13 @@ class LocalSync:
 
     rank, world_size, writes, saves_alone = 0, 1, True, True
 
-    def __init__(self, control, limits, every_seconds: float | str | None):
+    def __init__(self, control: Control, limits: LimitWatch, every_seconds: float | str | None):
         self.control, self.limits = control, limits
         # interval.seconds(last_save): seconds between time-based saves, None for none. "auto" needs
         # the run's ledger: the Session sets the live one (ckpt_interval.AutoInterval) on rank 0.
         self.interval = interval_for(every_seconds, None, "")
 
-    def start(self, model) -> bool:
+    def start(self, model: torch.nn.Module) -> bool:
         from .step import install_yield_points
 
         install_yield_points(model, self.control)
@@ -63,7 +74,7 @@ class LocalSync:
         self.limits.check()
         self.control.checkpoint_boundary()  # microseconds; where hold and release are answered
 
-    def finish_step(self, params, loss_sum, last_save: float):
+    def finish_step(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor, last_save: float) -> torch.Tensor:
         return loss_sum
 
     def releasing(self) -> bool:
@@ -76,7 +87,8 @@ class LocalSync:
         every = self.interval.seconds(last_save)
         return every is not None and time.monotonic() - last_save >= every
 
-    def agree_checkpoint(self, store, check, on_damaged=None):
+    def agree_checkpoint(self, store: CheckpointStore, check: Check,
+                         on_damaged: OnDamaged | None = None) -> Checkpoint | None:
         return _newest_good(store, check, on_damaged)
 
     def gather_rng(self, make: Callable[[], dict]) -> list[dict] | None:
@@ -96,18 +108,19 @@ class DataParallelSync:
 
     saves_alone = False  # a lone rank 0 save would wait for the others at the barrier
 
-    def __init__(self, control, limits, every_seconds: float | str | None, rank: int, world_size: int):
+    def __init__(self, control: Control, limits: LimitWatch, every_seconds: float | str | None, rank: int,
+                 world_size: int):
         self.control, self.limits, self.interval = control, limits, interval_for(every_seconds, None, "")
         self.rank, self.world_size, self.writes = rank, world_size, rank == 0
         self.flags = (False, False, False)
 
-    def start(self, model) -> bool:
+    def start(self, model: torch.nn.Module) -> bool:
         return False  # requests are answered together, once per step (finish_step)
 
     def micro_step(self) -> None:
         pass
 
-    def finish_step(self, params, loss_sum, last_save: float):
+    def finish_step(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor, last_save: float) -> torch.Tensor:
         # Ranks act only on what rank 0 said here: a signal arriving later waits for the next step,
         # or one rank would checkpoint alone.
         from ..distributed import N_FLAGS, RELEASE, SAVE_DUE, STOP, reduce_step
@@ -135,7 +148,8 @@ class DataParallelSync:
     def save_due(self, last_save: float) -> bool:
         return self.flags[2]  # rank 0's clock decides, or the ranks would disagree about saving
 
-    def agree_checkpoint(self, store, check, on_damaged=None):
+    def agree_checkpoint(self, store: CheckpointStore, check: Check,
+                         on_damaged: OnDamaged | None = None) -> Checkpoint | None:
         """The newest good checkpoint, as rank 0 finds it (only rank 0 moves damaged ones aside)."""
         from ..distributed import broadcast_int
 
@@ -172,5 +186,5 @@ class FederatedSync:
     naming the round's checkpoint, and ``writes`` true on the coordinator only. Choose it in
     ``train.state.make_sync`` from a config value."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any):
         raise NotImplementedError("federated training is not implemented; see train/sync.py")

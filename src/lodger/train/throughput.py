@@ -18,8 +18,14 @@ import os
 import platform
 import time
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from .. import durable
 from ..home import cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 
 def token_flops(matmul: float, trainable_matmul: float, attention_width: float, context: float) -> float:
@@ -140,7 +146,7 @@ def better(new: dict, old: dict) -> bool:
     return (new["quiet"], new["flops_per_second"]) > (old["quiet"], old["flops_per_second"])
 
 
-def _rate_file(threads: int, precision: str, device: str):
+def _rate_file(threads: int, precision: str, device: str) -> Path:
     import torch
 
     name = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or platform.machine()
@@ -181,7 +187,7 @@ class StepWork:
     """The model's numbers for ``token_flops``, counted on the loaded model, and the rate to
     divide by (measured on first use, after a step, so no step is slowed)."""
 
-    def __init__(self, model, *, rows: int, threads: int, precision: str, device: str, world: int = 1):
+    def __init__(self, model: torch.nn.Module, *, rows: int, threads: int, precision: str, device: str, world: int = 1):
         import torch
 
         from .loss import head_parts
