@@ -15,7 +15,7 @@ from array import array
 from itertools import accumulate
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 from . import durable
 from .errors import DataError
@@ -52,6 +52,23 @@ def text_problem(value: str, key: str) -> str | None:
             "no tokenizer takes: write the character itself, or its pair (\\ud83d\\ude00 is one emoji)")
 
 
+def message_problem(message: object, key: str, roles: Sequence[str], texts: Sequence[str]) -> str | None:
+    """Why ``message`` (``key``: where it stands, `messages[2]`) is not an object with a role among
+    ``roles`` and string content, or why one of its fields ``texts`` is not text; None when it is fine."""
+    if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+        return f'{key} must be an object with "role" and "content"'
+    if message.get("role") not in roles:
+        return f'{key}.role is {message.get("role")!r}; use one of {", ".join(roles)}'
+    if not isinstance(message.get("content"), str):
+        return f"{key}.content must be a string"
+    for field in texts:
+        value = message.get(field)
+        why = text_problem(value, f"{key}.{field}") if isinstance(value, str) else None
+        if why:
+            return why
+    return None
+
+
 def _check_row(row: object) -> str | None:
     """Why a parsed line is not a valid example, or None."""
     if not isinstance(row, dict):
@@ -67,13 +84,7 @@ def _check_row(row: object) -> str | None:
     if not isinstance(messages, list) or not messages:
         return '"messages" must be a non-empty list'
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
-            return f'messages[{i}] must be an object with "role" and "content"'
-        if message.get("role") not in ROLES:
-            return f'messages[{i}].role is {message.get("role")!r}; use one of {", ".join(ROLES)}'
-        if not isinstance(message.get("content"), str):
-            return f'messages[{i}].content must be a string'
-        why = text_problem(message["content"], f"messages[{i}].content")
+        why = message_problem(message, f"messages[{i}]", ROLES, ("content",))
         if why:
             return why
     if not any(m["role"] == "assistant" and m["content"] for m in messages):

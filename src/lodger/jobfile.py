@@ -14,7 +14,8 @@ from pydantic import BaseModel, ValidationError
 
 from .config import (DATASET_PREFIX, USER_ONLY_SECTIONS, USER_SECTIONS, CheckpointConfig, DataConfig,
                      DatasetPolicyConfig, GuardConfig, JobConfig, LimitsConfig, MethodConfig, ModelConfig,
-                     PolicyConfig, RemoteConfig, TrainingConfig, cross_checks, describe, read_toml)
+                     PolicyConfig, RemoteConfig, TrainingConfig, check_table, cross_checks, describe, raise_problems,
+                     read_toml)
 from .errors import JobFileError
 from .tomlfile import toml_value
 
@@ -52,9 +53,7 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
     except ValidationError as exc:
         problems += [p for p in map(describe, exc.errors())  # cross_checks named steps/epochs by key
                      if "`steps` or `epochs`" not in p and "give `steps = N`" not in p]
-    if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}") from None
+    raise_problems(problems, JobFileError, source, "the job file")
     data = job.data
     data.train = uses["train"].file.path if "train" in uses else (base_dir / data.train).resolve()
     if data.eval is not None:
@@ -65,17 +64,11 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
         job.model.source = str((base_dir / source_path).resolve())
     elif job.model.revision and "@" not in job.model.source and "/" in job.model.source:
         job.model.source = f"{job.model.source}@{job.model.revision}"  # every reader of `source` sees it
-    problems = _resolve_reward_files(job, base_dir)
-    if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}")
+    raise_problems(_resolve_reward_files(job, base_dir), JobFileError, source, "the job file")
     if job.method.init_adapter is not None:
         from .model import apply_init_adapter
 
-        problems = apply_init_adapter(job.method, base_dir)
-        if problems:
-            listed = "\n".join(f"  - {p}" for p in problems)
-            raise JobFileError(f"{source}: {len(problems)} problem(s) in the job file:\n{listed}")
+        raise_problems(apply_init_adapter(job.method, base_dir), JobFileError, source, "the job file")
     return job
 
 
@@ -115,13 +108,8 @@ def user_defaults() -> dict[str, dict[str, Any]]:
         if not isinstance(table, dict):
             problems.append(f"{section} = {table!r}: expected a table; fix: write `[{section}]` with its keys below")
             continue
-        try:
-            model.model_validate(table)
-        except ValidationError as exc:
-            problems += [f"[{section}] " + describe(e, model).removeprefix("[") for e in exc.errors()]
-    if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise JobFileError(f"{path}: {len(problems)} problem(s) in the user settings:\n{listed}")
+        check_table(model, table, section, problems)
+    raise_problems(problems, JobFileError, str(path), "the user settings")
     return raw
 
 

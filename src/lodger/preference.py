@@ -23,7 +23,7 @@ import hashlib
 from typing import Any, Callable, Sequence
 
 from . import durable
-from .data import ROLES, DataFile, ExampleSet, text_problem
+from .data import ROLES, DataFile, ExampleSet, message_problem, text_problem
 from .errors import DataError
 from .home import cache_dir
 
@@ -38,17 +38,9 @@ def messages_problem(value: object, key: str, roles: Sequence[str]) -> str | Non
     if not isinstance(value, list) or not value:
         return f'"{key}" must be a non-empty string or a non-empty list of messages'
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
-            return f'{key}[{i}] must be an object with "role" and "content"'
-        if message.get("role") not in roles:
-            return f'{key}[{i}].role is {message.get("role")!r}; use one of {", ".join(roles)}'
-        if not isinstance(message.get("content"), str):
-            return f"{key}[{i}].content must be a string"
-        for field in ("content", "name"):  # both reach the chat template
-            value = message.get(field)
-            why = text_problem(value, f"{key}[{i}].{field}") if isinstance(value, str) else None
-            if why:
-                return why
+        why = message_problem(message, f"{key}[{i}]", roles, ("content", "name"))  # both reach the chat template
+        if why:
+            return why
     return None
 
 

@@ -13,11 +13,11 @@ import math
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
-from ..errors import JobFileError
+from ..errors import JobFileError, LodgerError
 from .base import Float, Int, Section  # noqa: F401 (the sections' vocabulary, used by other config files)
 from .grpo import GRPOConfig, RewardConfig
 from .model import DataConfig, MethodConfig, ModelConfig
@@ -186,6 +186,27 @@ def describe(error: Mapping[str, Any], model: type[BaseModel] | None = None) -> 
     message = error["msg"].removeprefix("Value error, ")
     return f"{key}{shown}: {message}; fix: {_fix_for(error, _section_fields(loc, model))}"
 
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def check_table(model: type[Model], table: dict[str, Any], where: str, problems: list[str]) -> Model | None:
+    """``table`` as ``model``; or None, with every problem pydantic found added to ``problems``, each as
+    `[where] key = value: reason; fix: ...` (``where``: the table's name in its file)."""
+    try:
+        return model.model_validate(table)
+    except ValidationError as exc:
+        problems += [f"[{where}] " + describe(e, model).removeprefix("[") for e in exc.errors()]
+        return None
+
+
+def raise_problems(problems: list[str], error: Callable[[str], LodgerError], where: str, what: str) -> None:
+    """Raise ``error`` listing every one of ``problems`` (none: nothing to raise), so the owner fixes
+    the file in one go: `WHERE: N problem(s) in WHAT:` and a line each."""
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise error(f"{where}: {len(problems)} problem(s) in {what}:\n{listed}")
 
 # What a missing section needs at least, for the error that says it is missing.
 _SECTION_NEEDS = {"data": 'train = "FILE.jsonl"', "training": "steps = N (or epochs = N)"}
