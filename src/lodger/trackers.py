@@ -31,6 +31,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from .compare import flatten
 from .errors import LodgerError
 from .home import home
 from .ledger import Ledger
@@ -69,14 +70,9 @@ def load(ledger: Ledger, run_id: str) -> RunRecord:
 
 
 def flat_job(job: dict, prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key, value in job.items():
-        name = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, dict):
-            out.update(flat_job(value, name))
-        else:
-            out[name] = json.dumps(value) if isinstance(value, (list, bool)) or value is None else str(value)
-    return out
+    """The job's keys flattened (`training.learning_rate`), each value as a tracker's parameter text."""
+    return {name: json.dumps(value) if isinstance(value, (list, bool)) or value is None else str(value)
+            for name, value in flatten(job, prefix).items()}
 
 
 def default_folder() -> Path:

@@ -100,6 +100,15 @@ def _events(home: Path, kind: str) -> list[dict]:
         return [e for e in ledger.events() if e["kind"] == kind]
 
 
+def _finished(server: processes.Started, server_home: Path, flower_run: int, timeout: float) -> None:
+    """Wait (``timeout`` seconds at most) for the server's `federated_finished` event, then for Flower
+    to call the run finished; it must have completed."""
+    wait_until(lambda: _events(server_home, "federated_finished"), timeout, server.process,
+               what="the server's federated_finished event", interval=0.5)
+    status = wait_until(lambda: (st := processes.run_status(server_home, flower_run)).startswith("finished")
+                        and st, 120, server.process, what="Flower's run finished", interval=1.0)
+    assert status == "finished:completed", status
+
 def _reference(tmp_path: Path, job: Path, homes: dict[str, Path], monkeypatch) -> dict:
     """The same federation computed in this process without Flower: each round each client's
     train_round on its own home, then fedavg. The adapter a Flower run must reproduce bitwise."""
@@ -166,11 +175,7 @@ def test_two_clients_two_rounds_survive_a_server_kill_and_match_the_reference(ti
                                       "job": str(job)}))
         wait_until(lambda: ROUNDS in _committed_rounds(server_home), 900, server.process,
                    what=f"round {ROUNDS} committed after the restart", interval=0.2)
-        wait_until(lambda: _events(server_home, "federated_finished"), 120, server.process,
-                   what="the server's federated_finished event", interval=0.5)
-        status = wait_until(lambda: (st := processes.run_status(server_home, flower_run)).startswith("finished")
-                            and st, 120, server.process, what="Flower's run finished", interval=1.0)
-        assert status == "finished:completed", status
+        _finished(server, server_home, flower_run, 120)
     finally:
         for process in reversed(started):
             process.stop()

@@ -20,7 +20,7 @@ import numpy as np
 
 from helpers import wait_until
 
-from test_federated import _client_home, _committed_rounds, _events, _job, _start_server, _submit
+from test_federated import _client_home, _committed_rounds, _events, _finished, _job, _start_server, _submit
 
 from lodger.federated import processes
 
@@ -54,11 +54,7 @@ def test_two_secure_rounds_survive_a_server_kill_and_aggregate_to_the_fedavg_of_
         server = _start_server(tmp_path, port)
         started.append(server)
         flower_run = _submit(tmp_path, superlink, job)
-        wait_until(lambda: _events(server_home, "federated_finished"), 900, server.process,
-                   what="the secure federated run finished", interval=0.5)
-        status = wait_until(lambda: (st := processes.run_status(server_home, flower_run)).startswith("finished")
-                            and st, 120, server.process, what="Flower's run finished", interval=1.0)
-        assert status == "finished:completed", status
+        _finished(server, server_home, flower_run, 900)
     finally:
         for process in reversed(started):
             process.stop()

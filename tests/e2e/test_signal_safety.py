@@ -47,27 +47,22 @@ LOCK_TEXTS = {
     "json, the victim exactly": '{{"pid": {victim}, "start": "{start}"}}',
 }
 
-# The agent, one tick with a load its policy yields to and one without, in a child process.
-AGENT_TICKS = """
+# The agent, one tick with a load its policy yields to and one without, in a child process (the
+# sampler tests/fakes.py's: the load is what the test says).
+AGENT_TICKS = f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n" + """
 import json
+from fakes import FakeSampler
 from lodger.agent import Agent
 from lodger.ledger import Ledger
 
-class FakeSampler:  # as in tests/unit/test_agent_policy.py: the load is what the test says
-    def __init__(self):
-        self.cpu, self.seen = 0.9, []
-    def measure(self, our_pids, want_gpu=False):
-        self.seen.append(sorted(our_pids))
-        return {"foreign_cpu": self.cpu, "foreign_memory": 0.0, "foreign_gpu_memory": None,
-                "on_battery": False, "time": "12:00"}
-
 with Ledger() as ledger:
     agent = Agent(ledger, interval=0.1)
-    agent.sampler = fake = FakeSampler()
+    agent.sampler = fake = FakeSampler(foreign_cpu=0.9)
     agent.tick()
-    fake.cpu = 0.0
+    fake.values["foreign_cpu"] = 0.0
     agent.tick()
-    print(json.dumps({"seen": fake.seen, "started": len(agent.starting) + len(agent.queue_children)}))
+    seen = [sorted(pids) for pids in fake.seen_pids]
+    print(json.dumps({"seen": seen, "started": len(agent.starting) + len(agent.queue_children)}))
 """
 
 # The inference lease: one request, then the grace period, in a child process.

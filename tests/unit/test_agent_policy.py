@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fakes import FakeSampler, measured
 
 from lodger import machine as machine_module
 from lodger.agent import Agent
@@ -23,13 +24,6 @@ from lodger.home import run_dir
 from lodger.ledger import Ledger
 from lodger.runlock import RunLock
 from lodger.ledger.values import NewRun
-
-QUIET = {"foreign_cpu": 0.0, "foreign_memory": 0.0, "foreign_gpu_memory": None, "on_battery": False,
-         "time": "12:00"}
-
-
-def measured(**changes) -> dict:
-    return {**QUIET, **changes}
 
 
 def policy(**fields) -> PolicyConfig:
@@ -160,18 +154,6 @@ def test_a_users_hold_survives_the_agent_clearing_its_own_request(tmp_path: Path
     clear_request(tmp_path, "agent")
     winner = effective(read_requests(tmp_path))
     assert (winner["state"], winner["by"]) == ("hold", "user")
-
-
-class FakeSampler:
-    """Stands in for the /proc sampler: returns whatever the test sets."""
-
-    def __init__(self) -> None:
-        self.values = measured()
-        self.seen_pids: list[set[int]] = []
-
-    def measure(self, our_pids: set[int], want_gpu: bool = False) -> dict:
-        self.seen_pids.append(set(our_pids))
-        return dict(self.values)
 
 
 def _live_run(ledger: Ledger, run_id: str, rule: dict) -> RunLock:

@@ -11,15 +11,14 @@ round completes with the others. The kill is a real SIGKILL of a process committ
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
+from fakes import FakeGrid
 
 from lodger.federated.aggregate import Update, fedavg, tensors_sha256
 from lodger.federated.messages import reply_content
@@ -39,29 +38,6 @@ def _adapter(seed: int, rows: int = 4) -> dict[str, np.ndarray]:
 
 def _reply(client: str, tensors: dict, started_from: str, tokens: int = 100):
     return reply_content(client, tensors, tokens=tokens, steps=2, loss=1.5, started_from=started_from)
-
-
-class FakeGrid:
-    """Flower's Grid as the server's exchange uses it (as in test_federated_secagg_parts.py): a push is
-    answered at once by the node's handler, a pull returns the answers."""
-
-    def __init__(self, nodes: dict):
-        self.nodes, self.replies = nodes, {}
-
-    def get_node_ids(self):
-        return sorted(self.nodes)
-
-    def push_messages(self, messages):
-        ids = []
-        for msg in messages:
-            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # Flower's grid sets it on push
-            msg.content = copy.deepcopy(msg.content)  # a node gets its own copy, as over the wire
-            self.replies[msg.metadata.message_id] = self.nodes[msg.metadata.dst_node_id](msg)
-            ids.append(msg.metadata.message_id)
-        return ids
-
-    def pull_messages(self, ids):
-        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
 
 
 @pytest.fixture

@@ -5,11 +5,9 @@ no torch: the protocol, lodger's translation at its seam, the sum, the bound, th
 
 from __future__ import annotations
 
-import copy
-import uuid
-
 import numpy as np
 import pytest
+from fakes import FakeGrid
 
 from lodger.errors import FederatedError
 from lodger.federated.aggregate import Update, fedavg, tensors_sha256
@@ -32,28 +30,6 @@ def _global() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     return {NAMES[0]: (rng.standard_normal((4, 16)) * 0.1).astype(np.float32),
             NAMES[1]: np.zeros((16, 4), np.float32)}
-
-
-class FakeGrid:
-    """Flower's Grid as lodger's exchange uses it: push answers at once, pull returns the answers."""
-
-    def __init__(self, nodes: dict[int, object]):
-        self.nodes, self.replies = nodes, {}
-
-    def get_node_ids(self):
-        return sorted(self.nodes)
-
-    def push_messages(self, messages):
-        ids = []
-        for msg in messages:
-            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # Flower's grid sets it on push
-            msg.content = copy.deepcopy(msg.content)  # a node gets its own copy, as over the wire
-            self.replies[msg.metadata.message_id] = self.nodes[msg.metadata.dst_node_id](msg)
-            ids.append(msg.metadata.message_id)
-        return ids
-
-    def pull_messages(self, ids):
-        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
 
 
 def _node(node_id: int, client_id: str, tokens: int, raw: dict, fail_training: bool = False):

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_packing import walk  # the plans of a walk from position 0, as the packing tests take them
 
 from lodger.data import LengthGroupedSampler, Sampler, make_sampler
 from lodger.errors import JobFileError
@@ -26,14 +27,6 @@ def grouped(seed: int = 3, group: int = 8, mega: int | None = None) -> LengthGro
 def epoch(sampler: Sampler, e: int) -> list[int]:
     n = len(sampler)
     return [sampler.at(k) for k in range(e * n, (e + 1) * n)]
-
-
-def walk(planner, steps: int) -> list:
-    plans, position = [], 0
-    for _ in range(steps):
-        plans.append(planner.plan(position))
-        position = plans[-1].end
-    return plans
 
 
 def test_each_epoch_is_a_permutation_of_the_examples_and_epochs_differ() -> None:
