@@ -116,7 +116,7 @@ def warm_caches(job_path: Path) -> dict:
     """Dequantise the model and tokenise the data once (untimed); return what children need."""
     use_bench_home()
     from lodger.jobfile import load_job
-    from lodger.lifecycle.run import prepare
+    from lodger.lifecycle.prepare import prepare
 
     started = time.perf_counter()
     p = prepare(load_job(job_path))

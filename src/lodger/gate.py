@@ -213,7 +213,7 @@ def _check_fit(plan: Plan) -> list[str]:
     import json
 
     from . import memory
-    from .lifecycle.run import prepare
+    from .lifecycle.prepare import prepare
 
     job, target = plan.job, plan.target
     device = "cuda" if target.gpus_per_node and job.training.device != "cpu" else "cpu"

@@ -364,7 +364,7 @@ def test_a_remote_job_declares_the_step_count_the_packed_run_trains(tiny_model_d
     """remote/staging.py counts steps without a tokenizer; the run plans them from the tokens."""
     from lodger.jobfile import load_job
     from lodger.remote.staging import planned_steps
-    from lodger.lifecycle.run import prepare
+    from lodger.lifecycle.prepare import prepare
 
     job_path = tmp_path / "job.toml"
     job_path.write_text(f'[model]\nsource = "{tiny_model_dir}"\n[data]\ntrain = "{chat_data["train"]}"\n'

@@ -157,8 +157,7 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
     from ..durable import atomic_write
     from ..home import home
     from ..ledger import Ledger
-    from ..lifecycle.launch import start
-    from ..lifecycle.run import create_run
+    from ..lifecycle.run import Run
 
     lock = StarterLock(queue_id)
     with Ledger() as ledger:
@@ -177,7 +176,8 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
         durable.make_dirs(snapshot.parent)
         atomic_write(snapshot, entry["job_toml"].encode())
         try:
-            run_id, prepared = create_run(snapshot, name=entry["name"], managed=True, run_id=entry["run_id"])
+            new = Run.create(snapshot, name=entry["name"], managed=True, run_id=entry["run_id"])
+            run_id = new.run_id
         except LodgerError as exc:
             ledger.queue_move(queue_id, "queue_failed", ("starting",), error=str(exc))
             raise
@@ -186,7 +186,7 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
     from .crash import log_to_run
 
     log_to_run(run_id)
-    start(run_id, prepared, resuming=False, quiet=True)
+    new.start(resuming=False, quiet=True)
 
 
 COMMANDS = [agent, queue, start_queued]

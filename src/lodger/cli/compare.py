@@ -156,8 +156,8 @@ def reproduce(run_id: str, quiet: bool) -> None:
     """
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..lifecycle.launch import start
-    from ..lifecycle.run import JOB_FILE, create_run
+    from ..lifecycle.prepare import JOB_FILE
+    from ..lifecycle.run import Run
     from .. import jobfile
     from ..model import resolve_source
     from ..hashing import hash_file
@@ -185,12 +185,12 @@ def reproduce(run_id: str, quiet: bool) -> None:
         raise LodgerError("cannot reproduce: inputs changed since the run:\n" + "\n".join(f"  - {p}" for p in problems)
                           + "\nrestore the original files, or start a new run with `lodger run`")
     threads = original["numerics"]["threads"]
-    new_id, prepared = create_run(run_dir(run["id"]) / JOB_FILE, threads, name=f"{run['name']}-repro",
-                                  reproduces=run["id"])
+    again = Run.create(run_dir(run["id"]) / JOB_FILE, threads, name=f"{run['name']}-repro", reproduces=run["id"])
+    new_id = again.run_id
     click.echo(f"run {new_id} (reproducing {run['id']})")
-    status = start(new_id, prepared, resuming=False, quiet=quiet)
-    if status != "finished":
-        click.echo(f"reproduction {status}; continue it with `lodger resume {new_id}`")
+    outcome = again.start(resuming=False, quiet=quiet)
+    if not outcome.finished:
+        click.echo(f"reproduction {outcome.status}; continue it with `lodger resume {new_id}`")
         raise SystemExit(1)
     from ..compare import compare_runs
 

@@ -177,24 +177,25 @@ def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None
     """Train RUN in this (detached) process, or as one rank under torchrun; used by --detach and the agent."""
     from ..distributed import inside_launch
     from ..home import run_dir
+    from ..lifecycle.run import Run
     from ..restarts import mark_starting
-    from ..lifecycle.launch import start
-    from ..lifecycle.run import resume_prepared, take_run
     from .crash import log_to_run
 
     log_to_run(run_id)  # nobody watches this process's stderr: a crash must reach the run's log
     mark_starting(run_dir(run_id))  # until it holds the run lock, the agent must not start it beside us
     # One process training alone takes the run at once (--detach returns when it has); with
     # several ranks, rank 0 (a grandchild of this process) takes it.
-    alone = not inside_launch() and (world_size or _job_world_size(run_id)) == 1
-    taken = take_run(run_id) if alone else None
-    start(run_id, resume_prepared(run_id, threads, world_size), resuming=not fresh, quiet=quiet, taken=taken)
+    run = Run(run_id)
+    if not inside_launch() and (world_size or _job_world_size(run_id)) == 1:
+        run.take()
+    run.reopen(threads, world_size)
+    run.start(resuming=not fresh, quiet=quiet)
 
 
 def _job_world_size(run_id: str) -> int:
     from ..jobfile import load_job
     from ..home import run_dir
-    from ..lifecycle.run import JOB_FILE
+    from ..lifecycle.prepare import JOB_FILE
 
     return load_job(run_dir(run_id) / JOB_FILE).training.world_size
 

@@ -13,8 +13,12 @@ import os
 import time
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from ..lifecycle.run import Run
 
 MODEL = "smollm2-135m-instruct"
 QUICK = {"steps": 40, "eval_every": 20, "log_every": 5}
@@ -91,9 +95,10 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
 
         runtime_bytes(threads=threads, use_current=False)  # cached; create_run's pre-flight reads it
     with Phase("checking and tokenising the data, estimating the memory"):
-        from ..lifecycle.run import create_run
+        from ..lifecycle.run import Run
 
-        run_id, prepared = create_run(job_path)
+        new = Run.create(job_path)
+        run_id, prepared = new.run_id, new.prepared
     with Phase("measuring this machine (a matmul benchmark) for the forecast"):
         from ..train.throughput import rate_record
 
@@ -101,7 +106,7 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
     forecast = _forecast(prepared, rate, len(prompts))
     click.echo(_forecast_text(forecast, rate, first_use, threads, nice))
     click.echo(f"run {run_id}")
-    _train_and_show(run_id, prepared, prompts, threads, job_path, began, sum(forecast.values()) + first_use)
+    _train_and_show(new, prompts, threads, job_path, began, sum(forecast.values()) + first_use)
 
 
 def _threads_for_now() -> tuple[int, str]:
@@ -196,19 +201,19 @@ def _forecast_text(forecast: dict[str, float], rate: dict, first_use: float, thr
     return text
 
 
-def _train_and_show(run_id: str, prepared, prompts: list[str], threads: int, job_path: Path, began: float,
+def _train_and_show(demo_run: Run, prompts: list[str], threads: int, job_path: Path, began: float,
                     expected: float) -> None:
     from ..home import run_dir
     from ..ledger import Ledger
     from ..report import clock
     from ..report import Phase
-    from ..lifecycle.launch import start
 
+    run_id, prepared = demo_run.run_id, demo_run.prepared
     # ends when the run's own live line starts (report.hand_over): loading, the attention probe
     with Phase("loading the model and starting the run"):
-        status = start(run_id, prepared, resuming=False)
-    if status != "finished":
-        click.echo(f"demo {status}; continue it with `lodger resume {run_id}`")
+        outcome = demo_run.start(resuming=False)
+    if not outcome.finished:
+        click.echo(f"demo {outcome.status}; continue it with `lodger resume {run_id}`")
         return
     with Ledger() as ledger:
         evals = ledger.metrics(run_id, "eval")

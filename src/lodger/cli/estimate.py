@@ -100,7 +100,7 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
     """
     from .. import memory
     from ..jobfile import load_job
-    from ..lifecycle.run import prepare
+    from ..lifecycle.prepare import prepare
 
     cfg = load_job(job)
     import time

@@ -37,7 +37,7 @@ def plan(job: Path, memory_text: str | None, out: Path | None, pick: int, shown:
     from .. import plan as planner
     from ..errors import JobFileError
     from ..jobfile import load_job
-    from ..lifecycle.run import prepare
+    from ..lifecycle.prepare import prepare
     from .estimate import batch_shapes
 
     cfg = load_job(job)

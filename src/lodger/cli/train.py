@@ -8,8 +8,17 @@ from pathlib import Path
 
 import click
 
+from typing import TYPE_CHECKING
+
 from ..errors import JobFileError, RunStateError
 from .crash import log_to_run
+
+if TYPE_CHECKING:
+    from ..config import JobConfig
+    from ..ledger import Ledger
+    from ..lifecycle.prepare import Prepared
+    from ..lifecycle.run import Run
+    from ..report import Phase
 
 
 @click.command()
@@ -91,28 +100,27 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
              lodger run my-job.toml --detach
     """
     from ..jobfile import load_job
-    from ..lifecycle.launch import start
+    from ..lifecycle.run import Run
     from ..report import Phase
-    from ..lifecycle.run import create_run
 
     started = time.monotonic()
     announced = announce_first_use(load_job(job), quiet)
     with Phase("checking the job and its data, tokenising, estimating memory", err=True, quiet=quiet):
-        run_id, prepared = create_run(job, threads, managed=detach, force=force)
-    log_to_run(run_id)
+        new = Run.create(job, threads, managed=detach, force=force)
+    log_to_run(new.run_id)
     if announced:
         first_use_done(started)
-    click.echo(f"run {run_id}")  # the command's result, under --quiet too: scripts read the id here
+    click.echo(f"run {new.run_id}")  # the command's result, under --quiet too: scripts read the id here
     if not quiet:
-        _note_unregistered(prepared)
+        _note_unregistered(new.prepared)
     if detach:
-        _detach(run_id, fresh=True, world_size=prepared.job.training.world_size, quiet=quiet)
+        _detach(new, fresh=True, quiet=quiet)
         return
-    with _starting(prepared, quiet):
-        start(run_id, prepared, resuming=False, quiet=quiet)
+    with _starting(new.prepared, quiet):
+        new.start(resuming=False, quiet=quiet)
 
 
-def _starting(prepared, quiet: bool, what: str = "loading the model and starting the run"):
+def _starting(prepared: Prepared, quiet: bool, what: str = "loading the model and starting the run") -> Phase:
     """A phase that lasts until the run's own lines start (report.hand_over); one process only:
     with several, the run's lines come from another process."""
     from ..report import Phase
@@ -120,7 +128,7 @@ def _starting(prepared, quiet: bool, what: str = "loading the model and starting
     return Phase(what, quiet=quiet or prepared.job.training.world_size > 1)
 
 
-def announce_first_use(job, quiet: bool) -> bool:
+def announce_first_use(job: JobConfig, quiet: bool) -> bool:
     """Say what is happening before a model's first use takes a while (converting a GGUF file);
     True when it was said, so the caller can say when it is done."""
     from ..model import preparation_notice, resolve_source
@@ -137,7 +145,7 @@ def first_use_done(started: float) -> None:
     click.echo(f"model prepared in {time.monotonic() - started:.0f} s; later runs skip this step", err=True)
 
 
-def _note_unregistered(prepared) -> None:
+def _note_unregistered(prepared: Prepared) -> None:
     """One line for data files that are not registered datasets (allowed here; kept in provenance)."""
     files = [f"[data] {use.role} = {str(use.file.path)!r}" for use in prepared.job.data_uses() if use.dataset is None]
     if files:
@@ -147,18 +155,14 @@ def _note_unregistered(prepared) -> None:
                    "(docs/boundary.md)", err=True)
 
 
-def _detach(run_id: str, fresh: bool, world_size: int, extra: list[str] | None = None, quiet: bool = False) -> None:
+def _detach(run: Run, fresh: bool, extra: list[str] | None = None, quiet: bool = False) -> None:
     from ..home import run_dir
-    from ..lifecycle.launch import spawn_worker, wait_until_running, wait_until_taken
 
-    process = spawn_worker(run_id, fresh=fresh, extra=extra)
-    if world_size == 1:
-        wait_until_taken(run_id, process)  # under a second: the worker takes the run before loading anything
-    else:
-        wait_until_running(run_id, process)  # rank 0, a grandchild, takes the run once the ranks are up
+    pid = run.detach(fresh=fresh, extra=extra)
+    run_id = run.run_id
     if quiet:
         return
-    click.echo(f"training in the background (pid {process.pid}); it loads the model, then trains\n"
+    click.echo(f"training in the background (pid {pid}); it loads the model, then trains\n"
                f"  follow it:  lodger logs {run_id} -f\n"
                f"  see it:     lodger status   (or lodger show {run_id})\n"
                f"  log file:   {run_dir(run_id) / 'log.txt'}")
@@ -187,11 +191,12 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
-    from ..jobfile import load_job
     from ..control import clear_request, request_continue
     from ..home import run_dir
-    from ..lifecycle.run import JOB_FILE
+    from ..jobfile import load_job
     from ..ledger import Ledger
+    from ..lifecycle.prepare import JOB_FILE
+    from ..lifecycle.run import Run
     from ..runlock import holder, is_locked
 
     with Ledger() as ledger:
@@ -215,7 +220,8 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
             return
         if (folder / JOB_FILE).is_file():  # a missing one is refused, with its own message, just below
             announce_first_use(load_job(folder / JOB_FILE), quiet)
-        prepared = _prepare_resume(ledger, run["id"], threads, world_size, force)
+        again = Run(run["id"])
+        prepared = _prepare_resume(ledger, again, threads, world_size, force)
         for requester in ("user", "agent"):  # the owner asked for it: earlier pause requests are void
             clear_request(folder, requester)
         if detach:
@@ -223,29 +229,28 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
     if detach:
         click.echo(f"run {run['id']}")
         extra = ([f"--threads={threads}"] if threads else []) + ([f"--world-size={world_size}"] if world_size else [])
-        job = load_job(folder / JOB_FILE)
-        _detach(run["id"], fresh=run["status"] == "created" and not (folder / "checkpoints").exists(),
-                world_size=world_size or job.training.world_size, extra=extra, quiet=quiet)
+        _detach(again, fresh=run["status"] == "created" and not (folder / "checkpoints").exists(), extra=extra,
+                quiet=quiet)
         return
-    from ..lifecycle.launch import start
-    from ..lifecycle.run import take_run
-
     log_to_run(run["id"])
     # Alone, this process takes the run before it loads the model and restores the checkpoint: a
     # pause sent meanwhile is answered as soon as the model is loaded, not refused as "not training".
-    taken = take_run(run["id"]) if (world_size or prepared.job.training.world_size) == 1 else None
+    if prepared.job.training.world_size == 1:
+        again.take()
     with _starting(prepared, quiet, "loading the model"):
-        start(run["id"], prepared, resuming=True, quiet=quiet, taken=taken)
+        again.start(resuming=True, quiet=quiet)
 
 
-def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | None, force: bool):
+def _prepare_resume(ledger: Ledger, again: Run, threads: int | None, world_size: int | None,
+                    force: bool) -> Prepared:
     """Validate the run's job, data and model again and run `lodger run`'s memory pre-flight, before
     anything is written (the data, the machine or config.toml's [limits] may have changed since)."""
     from ..distributed import checkpoint_world_size, refuse_other_world_size
     from ..home import run_dir
-    from ..lifecycle.run import preflight, resume_prepared
+    from ..lifecycle.prepare import preflight
 
-    prepared = resume_prepared(run_id, threads, world_size)
+    run_id = again.run_id
+    prepared = again.reopen(threads, world_size)
     refuse_other_world_size(run_id, checkpoint_world_size(run_dir(run_id)), prepared.job.training.world_size)
     _refuse_changed_inputs(ledger, run_id, prepared)
     # The owner's --force at `lodger run` holds for the run's resumes; it is recorded again below.
@@ -257,7 +262,7 @@ def _prepare_resume(ledger, run_id: str, threads: int | None, world_size: int | 
     return prepared
 
 
-def _refuse_changed_inputs(ledger, run_id: str, prepared) -> None:
+def _refuse_changed_inputs(ledger: Ledger, run_id: str, prepared: Prepared) -> None:
     """Data or model that differ from what the run recorded are refused now, with the file named,
     not after the model loaded (the checkpoint's own record is checked again when it is restored)."""
     segments = ledger.provenance(run_id)

@@ -106,7 +106,7 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
     marks = marks if marks is not None else {}
     from ..home import private_mkdir, run_dir
     from ..ledger import Ledger
-    from ..lifecycle.run import create_run, execute, resume_prepared
+    from ..lifecycle.run import Run
     from ..runlock import is_locked
 
     from ..faults import in_round
@@ -121,8 +121,9 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
         if status == "finished":
             return earlier, run_dir(earlier) / "adapter"
         if interrupted == "finish" and status in ("interrupted", "paused", "running", "held", "failed"):
-            status = execute(earlier, resume_prepared(earlier), resuming=True, quiet=True)
-            return _finished(earlier, status)
+            again = Run(earlier)
+            again.reopen()
+            return _finished(earlier, again.execute(resuming=True, quiet=True).status)
     folder = _client_folder(order.job_id) / f"round-{order.round:06d}"
     private_mkdir(folder)
     received = write_received(folder / "received", order.tensors, (read_toml(job_path, "job file").get("method") or {})) \
@@ -130,11 +131,12 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
     job_file = folder / "job.toml"
     durable.atomic_write(job_file, to_toml(round_job(job_path, dataset, order, received)).encode())
     marks["create_run"] = time.time()
-    run_id, prepared = create_run(job_file)
+    new = Run.create(job_file)
+    run_id = new.run_id
     durable.atomic_write(_record_path(order.job_id, order.round),
                          json.dumps({"run_id": run_id, "started_from": order.sha256}).encode())
     marks["execute"] = time.time()
-    status = execute(run_id, prepared, resuming=False, quiet=True)
+    status = new.execute(resuming=False, quiet=True).status
     marks["executed"] = time.time()
     return _finished(run_id, status)
 

@@ -97,7 +97,7 @@ class Evaluator:
 
     def __init__(self, job):
         from ..model import attach_method, load_base_model
-        from ..lifecycle.run import prepare
+        from ..lifecycle.prepare import prepare
 
         prepared = prepare(job, device="cpu")
         if prepared.eval_set is None or not prepared.eval_indices:

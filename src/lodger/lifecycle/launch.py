@@ -1,6 +1,5 @@
-"""Start runs: here, or as data-parallel ranks that torchrun launches around the run (``start``),
-or in the background as a detached worker process per run, logging to the run folder. Each wraps
-run.execute; none is called back from it."""
+"""A run in the background: a detached worker process per run (``lodger _worker RUN``, which trains
+it through ``Run``), logging to the run folder, and the waits until it has taken the run or trains."""
 
 from __future__ import annotations
 
@@ -15,23 +14,7 @@ from ..errors import LodgerError
 from ..home import run_dir
 
 
-def start(run_id: str, prepared, *, resuming: bool, quiet: bool = False, taken=None) -> str:
-    """Train ``run_id`` in this process (run.execute), or, with [training] world_size > 1 and no
-    launched group around this process yet, replace this process with torchrun's rank supervisor,
-    whose ranks run it (distributed.launch; never returns). A resume on another world size than its
-    checkpoint's is refused first, before any process loads the model."""
-    from .. import distributed as dist
-    from .run import execute
-
-    world = prepared.job.training.world_size
-    if resuming:
-        dist.refuse_other_world_size(run_id, dist.checkpoint_world_size(run_dir(run_id)), world)
-    if world > 1 and not dist.inside_launch():
-        dist.launch(run_id, world, prepared.job.training.threads, fresh=not resuming, quiet=quiet)
-    return execute(run_id, prepared, resuming=resuming, quiet=quiet, taken=taken)
-
-
-def spawn_worker(run_id: str, *, fresh: bool, extra: list[str] | None = None) -> subprocess.Popen:
+def spawn_worker(run_id: str, *, fresh: bool, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
     """A new session (survives the terminal closing) that trains ``run_id``; output to worker.out."""
     folder = run_dir(run_id)
     log = durable.open_file(folder / "worker.out", "ab")
@@ -45,7 +28,7 @@ def spawn_worker(run_id: str, *, fresh: bool, extra: list[str] | None = None) ->
         log.close()
 
 
-def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 300.0) -> None:
+def wait_until_running(run_id: str, process: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
     """Return once the worker says it is training; raise with its output if it died first."""
     folder = run_dir(run_id)
     deadline = time.monotonic() + timeout
@@ -61,7 +44,7 @@ def wait_until_running(run_id: str, process: subprocess.Popen, timeout: float = 
     raise LodgerError(f"the background run {run_id} did not start within {timeout:.0f} s; see {folder}/worker.out")
 
 
-def wait_until_taken(run_id: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_until_taken(run_id: str, process: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
     """Return once the worker holds the run's lock (it then answers pause requests), in about
     the time a Python interpreter takes to start; raise with its output if it died first."""
     from ..runlock import is_locked, lock_pid
@@ -77,7 +60,7 @@ def wait_until_taken(run_id: str, process: subprocess.Popen, timeout: float = 12
     raise LodgerError(f"the background run {run_id} did not start within {timeout:.0f} s; see {folder}/worker.out")
 
 
-def _ended(run_id: str, process: subprocess.Popen) -> bool:
+def _ended(run_id: str, process: subprocess.Popen[bytes]) -> bool:
     """True if the worker already finished well; raise with its output if it failed."""
     code = process.poll()
     if code is None or code == 0:

@@ -59,7 +59,8 @@ def submit(plan) -> str:
     from ..tomlfile import to_toml
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..lifecycle.run import JOB_FILE, new_run_id, new_run_record
+    from ..lifecycle.prepare import JOB_FILE
+    from ..lifecycle.run import new_run_id, new_run_record
     from .staging import local_python, planned_steps, stage
 
     from .storage import Storage, StorageError

@@ -46,19 +46,20 @@ def wanted(job) -> bool:
 def start(run_id: str, job_path: Path) -> str:
     """In the Ray job's driver: create or find the run, train it on Ray Train workers; the final status."""
     from ..ledger import Ledger
-    from ..lifecycle.run import create_run, resume_prepared
+    from ..lifecycle.run import Run
 
     with Ledger() as ledger:
         resuming = ledger.has_run(run_id)
     if resuming:
-        prepared = resume_prepared(run_id)
+        prepared = Run(run_id).reopen()
     else:
         from .. import durable
         from ..home import run_dir
 
         if run_dir(run_id).exists():  # a first start that died between its folder and its ledger row
             durable.remove_tree(run_dir(run_id))
-        run_id, prepared = create_run(job_path, run_id=run_id, managed=True)
+        new = Run.create(job_path, run_id=run_id, managed=True)
+        run_id, prepared = new.run_id, new.prepared
     failure = _fit(run_id, prepared.job, resuming)
     return _outcome(run_id, failure)
 
@@ -115,9 +116,11 @@ def _rank(config: dict) -> None:
     """One rank inside a Ray Train worker: lodger's rank code in the process group Ray Train made."""
     os.environ.update(config["env"])
     ignore_pause_signal()
-    from ..lifecycle.run import execute, resume_prepared
+    from ..lifecycle.run import Run
 
-    execute(config["run_id"], resume_prepared(config["run_id"]), resuming=config["resuming"], quiet=True)
+    rank = Run(config["run_id"])
+    rank.reopen()
+    rank.execute(resuming=config["resuming"], quiet=True)
 
 
 def _outcome(run_id: str, failure: Exception | None) -> str:

@@ -137,17 +137,17 @@ def start(run_id: str, job_path: Path) -> str:
     from .. import durable
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..lifecycle.launch import start as train
-    from ..lifecycle.run import create_run, resume_prepared
+    from ..lifecycle.run import Run
 
     with Ledger() as ledger:
         exists = ledger.has_run(run_id)
     if exists:
-        return train(run_id, resume_prepared(run_id), resuming=True, quiet=True)
+        again = Run(run_id)
+        again.reopen()
+        return again.start(resuming=True, quiet=True).status
     if run_dir(run_id).exists():  # a first start that died between its folder and its ledger row
         durable.remove_tree(run_dir(run_id))
-    run_id, prepared = create_run(job_path, run_id=run_id, managed=True)
-    return train(run_id, prepared, resuming=False, quiet=True)
+    return Run.create(job_path, run_id=run_id, managed=True).start(resuming=False, quiet=True).status
 
 
 def resume_fresh(run_id: str, job_path: Path, run_uri: str, segment: int) -> str:
@@ -155,16 +155,15 @@ def resume_fresh(run_id: str, job_path: Path, run_uri: str, segment: int) -> str
     metrics and log) from storage into it, and resume as a new segment after ``segment``."""
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..lifecycle.launch import start as train
-    from ..lifecycle.run import create_run
+    from ..lifecycle.run import Run
     from .mirror import seed
     from .storage import Storage
 
-    run_id, prepared = create_run(job_path, run_id=run_id, managed=True)
-    seed(Storage.open(run_uri), run_id, run_dir(run_id))
+    new = Run.create(job_path, run_id=run_id, managed=True)
+    seed(Storage.open(run_uri), new.run_id, run_dir(new.run_id))
     with Ledger() as ledger:
-        ledger.update_run(run_id, segment=segment)
-    return train(run_id, prepared, resuming=True, quiet=True)
+        ledger.update_run(new.run_id, segment=segment)
+    return new.start(resuming=True, quiet=True).status
 
 
 def _train(run_id: str, job_path: str, run_uri: str, segment: str) -> int:

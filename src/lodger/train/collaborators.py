@@ -1,12 +1,17 @@
 """What the loop asks of the collaborators it is given, as Protocols: the members ``train`` and
-``evaluate`` use (loop.py), and nothing else. Any object with these members will do (the
-synchronisers in sync.py, the Checkpointer, the Recorder, lodger's Control, a test's fake);
-mypy checks the loop against them. The state the loop steps is ``state.TrainState``.
+``evaluate`` use (loop.py), and nothing else, handed over as one typed value (``Collaborators``).
+Any object with these members will do (the synchronisers in sync.py, the Checkpointer, the
+Recorder, lodger's Control, a test's fake: tests/unit/test_train_fakes.py); mypy checks the loop
+against them. ``RunRecords`` is what a training process may ask of the ledger (an event, metric
+rows, a transaction, the run's status), never the whole Ledger. The state the loop steps is
+``state.TrainState``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -15,6 +20,22 @@ if TYPE_CHECKING:
     import torch
 
     from ..packing import PackedBatch, StepPlan
+    from .record import StepRecord
+
+
+class RunRecords(Protocol):
+    """What a training process may ask of the ledger (ledger/): an event, metric rows (added with
+    each checkpoint, cut back on resume), a transaction around a checkpoint's records, a status."""
+
+    def event(self, run_id: str | None, kind: str, **data: Any) -> int: ...
+
+    def add_metrics(self, run_id: str, segment: int, rows: Iterable[dict[str, Any]]) -> None: ...
+
+    def truncate_metrics(self, run_id: str, after_step: int) -> int: ...
+
+    def transaction(self) -> AbstractContextManager[Any]: ...
+
+    def set_status(self, run_id: str, status: str, event: str | None = None, **data: Any) -> None: ...
 
 
 class Synchronising(Protocol):
@@ -61,9 +82,9 @@ class Recording(Protocol):
     reporter: Reporting
     eval_seconds: float
 
-    def step(self, **fields: Any) -> None: ...
+    def step(self, s: StepRecord) -> None: ...
 
-    def eval(self, step: int, result: tuple[float, dict] | None) -> None: ...
+    def eval(self, step: int, result: tuple[float, dict[str, Any]] | None) -> None: ...
 
     def has_eval_at(self, step: int) -> bool: ...
 
@@ -104,3 +125,14 @@ class Objective(Protocol):
     def combine(self, terms: Any, weights: tuple[float, ...]) -> Any: ...
 
     def metrics(self, sums: "torch.Tensor", weights: tuple[float, ...]) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Collaborators:
+    """What ``train`` is given besides the state it steps: the way of training, the recorder, the
+    checkpointer and the run's control, each as the narrow protocol above."""
+
+    checkpointer: Checkpointing
+    recorder: Recording
+    control: Controlling
+    sync: Synchronising

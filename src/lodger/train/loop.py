@@ -6,7 +6,8 @@ of this process's share with the loss normalised over the whole step's target to
 synchroniser's ``finish_step``, clip, finite check, update, record, eval when due, checkpoint
 when due or when asked to stop.
 
-``train`` steps a ``TrainState`` (state.py) and calls the collaborators it is given: ``sync``
+``train`` steps a ``TrainState`` (state.py) and calls the collaborators it is given
+(``collaborators.Collaborators``, one typed value): ``sync``
 (sync.py: one process, or several ranks, each taking its share of the step's plan and agreeing
 once per step), ``recorder`` (record.py), ``checkpointer`` (checkpointer.py) and ``control``
 (control.py: hold, release, stop).
@@ -31,7 +32,8 @@ from .record import StepRecord
 from .step import install_yield_points, micro_step, optimizer_step  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
-    from .collaborators import Checkpointing, Controlling, Recording, Synchronising
+    from ..packing import StepPlan
+    from .collaborators import Checkpointing, Collaborators, Controlling, Recording, Synchronising
     from .state import TrainState
 
 
@@ -81,10 +83,10 @@ def evaluate(st: "TrainState", step: int, recorder: "Recording", control: "Contr
     return float(loss), ({} if sums is None else st.objective.metrics(sums, weights))
 
 
-def train(st: "TrainState", *, checkpointer: "Checkpointing", recorder: "Recording", control: "Controlling",
-          sync: "Synchronising") -> str:
+def train(st: "TrainState", parts: "Collaborators") -> str:
     """Run from ``st.progress`` to the last step; return "finished", "interrupted" or "paused"
     (errors.StepFailed goes up after the last finished step's checkpoint is committed)."""
+    checkpointer, recorder, control, sync = parts.checkpointer, parts.recorder, parts.control, parts.sync
     try:
         return _train_steps(st, checkpointer, recorder, control, sync)
     except ReleaseRequested:
@@ -102,7 +104,8 @@ def train(st: "TrainState", *, checkpointer: "Checkpointing", recorder: "Recordi
         raise
 
 
-def _backward(st: "TrainState", plan, control, sync):
+def _backward(st: "TrainState", plan: "StepPlan", control: "Controlling", sync: "Synchronising"
+              ) -> tuple["torch.Tensor", "torch.Tensor | None", int, int, int, int, tuple[float, ...]]:
     """This process's micro-batches of the step, prepared (GRPO: completions sampled and scored),
     forward and backward: (summed loss of its share, its metric sums or None, positions computed,
     of which padding, keys attended (PackedBatch.attended), the whole step's target tokens and
@@ -137,7 +140,8 @@ def _backward(st: "TrainState", plan, control, sync):
             step_tokens, weights)
 
 
-def _finish(sync, params, loss_sum, sums, last_save: float):
+def _finish(sync: "Synchronising", params: list[torch.nn.Parameter], loss_sum: torch.Tensor, sums: torch.Tensor | None,
+            last_save: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The synchroniser's end of the step (several ranks: one all-reduce), the metric sums with the loss."""
     if sums is None:
         return sync.finish_step(params, loss_sum, last_save), None
@@ -147,7 +151,8 @@ def _finish(sync, params, loss_sum, sums, last_save: float):
     return both[0].to(loss_sum), both[1:]
 
 
-def _train_steps(st: "TrainState", ckpt, rec, control, sync) -> str:
+def _train_steps(st: "TrainState", ckpt: "Checkpointing", rec: "Recording", control: "Controlling",
+                 sync: "Synchronising") -> str:
     cfg, p, guard, planner = st.training, st.progress, st.guard, st.planner
     params = [q for q in st.model.parameters() if q.requires_grad]
     max_norm = cfg.max_grad_norm or math.inf  # 0 disables clipping; the norm is still measured
