@@ -40,11 +40,12 @@ def plan(job: Path, memory_text: str | None, out: Path | None, pick: int, shown:
     from ..lifecycle.prepare import prepare
     from .estimate import batch_shapes
 
+    asked = planner.parse_size(memory_text) if memory_text is not None else None  # before anything is loaded
     cfg = load_job(job)
     prepared = prepare(cfg)
     gpu = prepared.device == "cuda"
-    if memory_text is not None:
-        budget = planner.parse_size(memory_text)
+    if asked is not None:
+        budget = asked
     else:
         budget = _free_gpu_memory() if gpu else memory.memory_available()
         if cfg.limits.memory_gb:
