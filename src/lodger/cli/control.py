@@ -7,7 +7,6 @@ import time
 
 import click
 
-from ..errors import LodgerError, RunStateError
 
 
 @click.command()
@@ -29,10 +28,10 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
     Example: lodger pause my-job-20261129-101500-ab12 --hold
              lodger pause --all
     """
-    from ..control import process_state, request_pause, run_state
+    from ..executors import executor_for, wait_answered
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..runlock import holder, is_locked
+    from ..runlock import holder
 
     mode = "hold" if hold else "release"
     with Ledger() as ledger:
@@ -48,61 +47,15 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
         started = time.monotonic()
         waiting = []
         for run in targets:
-            if run.get("target"):  # on a remote target: its backend asks it (a request file in storage)
-                from ..remote import pause as pause_remote
-
-                waiting.append((run, pause_remote(ledger, run, mode), None, time.time()))
-                continue
-            folder = run_dir(run["id"])
-            try:
-                asked = request_pause(folder, mode, ledger)
-            except RunStateError as exc:
-                raise RunStateError(f"{exc} (status {run['status']})") from None
-            if asked.note(run["id"], mode):
-                click.echo(asked.note(run["id"], mode))
-            waiting.append((run, folder, asked.pid, time.time()))
+            asked = executor_for(run).pause(ledger, run, mode)
+            if asked.note:
+                click.echo(asked.note)
+            waiting.append(asked)
     if no_wait:
         click.echo(f"asked {len(waiting)} run(s) to {mode}")
         return
-    for run, folder, pid, asked in waiting:
-        while time.monotonic() - started < timeout:
-            if pid is not None and process_state(pid) in ("T", "t"):
-                raise RunStateError(f"run {run['id']}: its process {pid} is stopped and cannot {mode} until it is "
-                                    "continued (Ctrl-Z, SIGSTOP, or `stty tostop` stopping a background process "
-                                    f"that writes to its terminal); the request stands: `fg` it in its terminal, or "
-                                    f"`kill -CONT {pid}`")
-            if hold:
-                state = run_state(folder)
-                if state.get("state") == "held" and state.get("time", 0) >= asked - 1:
-                    click.echo(f"{run['id']}: held at step {state.get('step')} "
-                               f"({time.monotonic() - started:.2f} s); `lodger resume {run['id']}` continues")
-                    break
-            elif pid is None:  # remote: the run answers in its state file when it has stopped
-                from ..remote import answered_state
-
-                state = answered_state(run, folder)
-                if state.get("state") in ("paused", "interrupted", "finished") and state.get("time", 0) >= asked - 1:
-                    click.echo(f"{run['id']}: {state['state']} at step {state.get('step')} on {run['target']} "
-                               f"({time.monotonic() - started:.2f} s)")
-                    break
-            elif not is_locked(folder) and not _alive(pid):
-                # The lock goes before the process: "memory freed" only once the process is gone too.
-                state = run_state(folder)
-                click.echo(f"{run['id']}: paused at step {state.get('step')}, checkpoint committed, memory freed "
-                           f"({time.monotonic() - started:.2f} s)")
-                break
-            time.sleep(0.02)
-        else:
-            raise LodgerError(f"run {run['id']} did not {mode} within {timeout:.0f} s")
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still exists as a process that has not exited (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    for asked in waiting:
+        click.echo(wait_answered(asked, hold, started, timeout))
 
 
 @click.command()
@@ -114,7 +67,7 @@ def status(as_json: bool) -> None:
     """
     from ..agent import agent_pid
     from ..control import read_requests
-    from ..home import run_dir
+    from ..executors import executor_for
     from ..ledger import Ledger
     from ..runview import loss_text, progress, step_text
     from .runs import live_status, refresh_remote
@@ -129,22 +82,19 @@ def status(as_json: bool) -> None:
     rows = []
     for run in runs:
         state = live_status(run)
-        folder = run_dir(run["id"])
-        if run.get("target"):
-            from ..remote import remote_run_dir
-
-            folder = remote_run_dir(run)
+        folder = executor_for(run).folder(run)  # a remote run's files straight from storage
         requests = {k: v.get("state") for k, v in read_requests(folder).items()}
         now = progress(run, folder)
         rows.append({"id": run["id"], "status": state, "step": now["step"], "checkpoint_step": now["checkpoint_step"],
                      "total_steps": run["total_steps"], "loss": now["loss"], "managed": bool(run.get("managed")),
                      "requests": requests, "target": run.get("target"),
                      "cluster_unreachable": stale.get(run["id"])})
-    info = {"agent_pid": agent_pid(), "runs": rows, "queue": queue, "federated": federated}
+    pid = agent_pid()
+    info = {"agent_pid": pid, "runs": rows, "queue": queue, "federated": federated}
     if as_json:
         click.echo(json.dumps(info, indent=1, default=str))
         return
-    click.echo(f"agent: {'running (pid %d)' % info['agent_pid'] if info['agent_pid'] else 'not running'}")
+    click.echo(f"agent: {'running (pid %d)' % pid if pid else 'not running'}")
     if not rows and not queue and not federated:
         click.echo("nothing running, paused or queued")
     for r in rows:

@@ -65,16 +65,12 @@ def cancel(run_id: str) -> None:
 
     Example: lodger cancel my-job-20261129-101500-ab12
     """
+    from ..executors import executor_for
     from ..ledger import Ledger
-    from ..remote import cancel as cancel_run
-    from ..remote import is_remote
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
-        if not is_remote(run):
-            raise RunStateError(f"run {run['id']} runs on this machine; `lodger pause {run['id']}` stops it "
-                                "with a checkpoint")
-        was_running = cancel_run(ledger, run)
+        was_running = executor_for(run).cancel(ledger, run)  # a local run is refused: pause stops it
     click.echo(f"run {run['id']} cancelled" + (" (its Ray job was told to stop)" if was_running else ""))
 
 

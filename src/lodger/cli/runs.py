@@ -289,22 +289,17 @@ def logs(run_id: str, follow: bool, from_ray: bool) -> None:
 
     Example: lodger logs my-job-20261129-101500-ab12 -f
     """
-    from ..home import run_dir
+    from ..executors import executor_for
     from ..ledger import Ledger
     from ..runlock import is_locked
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
-    folder = run_dir(run["id"])
-    if run.get("target"):
-        from ..remote import job_logs, remote_run_dir
-
-        if from_ray:
-            sys.stdout.write(job_logs(run))
-            return
-        folder = remote_run_dir(run)  # the live log, straight from storage
-    elif from_ray:
-        raise LodgerError(f"run {run['id']} runs on this machine; it has no Ray log")
+    executor = executor_for(run)
+    if from_ray:
+        sys.stdout.write(executor.engine_log(run))
+        return
+    folder = executor.folder(run)  # a remote run's live log, straight from storage
     path = folder / "log.txt"
     if not path.exists() and not follow:
         raise LodgerError(f"run {run['id']} has no log yet")

@@ -191,33 +191,21 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
-    from ..control import clear_request, request_continue
+    from ..control import clear_request
+    from ..executors import executor_for
     from ..home import run_dir
     from ..jobfile import load_job
     from ..ledger import Ledger
     from ..lifecycle.prepare import JOB_FILE
     from ..lifecycle.run import Run
-    from ..runlock import holder, is_locked
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
-        if run.get("target"):
-            from ..remote import resume as resume_remote
-
-            click.echo(f"run {run['id']} {resume_remote(ledger, run)}")
+        answer = executor_for(run).resume(ledger, run)  # continued where it lives: a remote run, a held one
+        if answer is not None:
+            click.echo(f"run {run['id']} {answer}")
             return
-        folder = run_dir(run["id"])
-        pid = holder(folder)  # a finished run may be held all the same: `lodger eval` scoring it
-        if run["status"] == "finished" and pid is None:
-            raise RunStateError(f"run {run['id']} already finished; start a new one with `lodger run`")
-        if pid is None and is_locked(folder):
-            raise RunStateError(f"run {run['id']} is not running as far as lodger can verify: its lock is held, "
-                                "but not by the process its lock file names, so nothing was signalled; if an "
-                                "older lodger version trains it, wait for that to end")
-        if pid is not None:
-            still = request_continue(folder, ledger)
-            click.echo(f"run {run['id']} continues" + (f" once {', '.join(still)} lets go" if still else ""))
-            return
+        folder = run_dir(run["id"])  # no process trains it: it starts here again
         if (folder / JOB_FILE).is_file():  # a missing one is refused, with its own message, just below
             announce_first_use(load_job(folder / JOB_FILE), quiet)
         again = Run(run["id"])
