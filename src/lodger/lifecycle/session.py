@@ -24,7 +24,7 @@ from ..train.collaborators import Collaborators
 from ..train.holders import Progress
 from ..train.limits import LimitWatch
 from ..train.objective import make_objective
-from ..train.record import Recorder
+from ..train.record import Recorder, RunRecords
 from ..train.state import (TrainState, base_facts, build_feed, build_rewards, build_store, build_sync,
                            settle_process)
 from ..train.throughput import StepWork
@@ -106,7 +106,8 @@ def build_recorder(run_id: str, folder: Path, ledger: Ledger | None, control: Co
     return recorder
 
 
-def announce_holds(control: Control, ledger: Ledger, run_id: str, progress: Progress, reporter: Reporter) -> None:
+def announce_holds(control: Control, ledger: RunRecords, run_id: str, progress: Progress,
+                   reporter: Reporter) -> None:
     """A hold and its end go to the ledger and the log as they happen (rank 0, which has both)."""
 
     def on_hold(request: dict[str, Any]) -> None:

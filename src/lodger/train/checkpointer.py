@@ -15,10 +15,9 @@ from ..recovery import sync_metrics
 from .holders import Entries, RunFacts, StateHolder, file_problems, split_entries
 
 if TYPE_CHECKING:
-    from ..ledger import Ledger
     from ..ledger.provenance import ComputeMeter
     from .guard import Guard
-    from .record import Recorder
+    from .record import Recorder, RunRecords
 
 
 class Checkpointer:
@@ -26,7 +25,7 @@ class Checkpointer:
     checkpoint was trained on (its ``drift`` is what ``restore`` returns)."""
 
     def __init__(self, run_id: str, store: CheckpointStore, holders: dict[str, StateHolder], facts: RunFacts,
-                 sync: Any, recorder: Recorder, ledger: Ledger, meter: ComputeMeter, feed: Any = None):
+                 sync: Any, recorder: Recorder, ledger: RunRecords, meter: ComputeMeter, feed: Any = None):
         self.run_id, self.store, self.holders, self.facts = run_id, store, holders, facts
         self.sync, self.recorder, self.ledger, self.meter = sync, recorder, ledger, meter
         self.feed = feed  # [report] to: the trackers, told of each commit (report_feed.py), or None

@@ -2,15 +2,14 @@
 ``evaluate`` use (loop.py), and nothing else, handed over as one typed value (``Collaborators``).
 Any object with these members will do (the synchronisers in sync.py, the Checkpointer, the
 Recorder, lodger's Control, a test's fake: tests/unit/test_train_fakes.py); mypy checks the loop
-against them. ``RunRecords`` is what a training process may ask of the ledger (an event, metric
-rows, a transaction, the run's status), never the whole Ledger. The state the loop steps is
-``state.TrainState``.
+against them. What the recorder and the checkpointer may ask of the ledger is narrower still:
+``record.RunRecords`` (an event, metric rows, a transaction, the run's status), never the whole
+Ledger. The state the loop steps is ``state.TrainState``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,21 +20,6 @@ if TYPE_CHECKING:
 
     from ..packing import PackedBatch, StepPlan
     from .record import StepRecord
-
-
-class RunRecords(Protocol):
-    """What a training process may ask of the ledger (ledger/): an event, metric rows (added with
-    each checkpoint, cut back on resume), a transaction around a checkpoint's records, a status."""
-
-    def event(self, run_id: str | None, kind: str, **data: Any) -> int: ...
-
-    def add_metrics(self, run_id: str, segment: int, rows: Iterable[dict[str, Any]]) -> None: ...
-
-    def truncate_metrics(self, run_id: str, after_step: int) -> int: ...
-
-    def transaction(self) -> AbstractContextManager[Any]: ...
-
-    def set_status(self, run_id: str, status: str, event: str | None = None, **data: Any) -> None: ...
 
 
 class Synchronising(Protocol):

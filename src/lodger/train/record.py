@@ -6,15 +6,32 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import durable
 
 if TYPE_CHECKING:
     from ..control import Control
-    from ..ledger import Ledger
+
+
+class RunRecords(Protocol):
+    """What a training process may ask of the ledger (ledger/): an event, metric rows (added with
+    each checkpoint, cut back on resume), a transaction around a checkpoint's records, a status."""
+
+    def event(self, run_id: str | None, kind: str, **data: Any) -> int: ...
+
+    def add_metrics(self, run_id: str, segment: int, rows: Iterable[dict[str, Any]]) -> None: ...
+
+    def truncate_metrics(self, run_id: str, after_step: int) -> int: ...
+
+    def transaction(self) -> AbstractContextManager[Any]: ...
+
+    def set_status(self, run_id: str, status: str, event: str | None = None, **data: Any) -> None: ...
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -44,7 +61,7 @@ class StepRecord:
 
 
 class Recorder:
-    def __init__(self, run_id: str, folder: Path, ledger: Ledger, control: Control, progress: Any, total_steps: int,
+    def __init__(self, run_id: str, folder: Path, ledger: RunRecords, control: Control, progress: Any, total_steps: int,
                  log_every: int, writes: bool):
         self.run_id, self.dir, self.ledger, self.control = run_id, folder, ledger, control
         self.progress, self.total_steps, self.log_every, self.writes = progress, total_steps, log_every, writes
