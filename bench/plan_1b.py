@@ -8,8 +8,8 @@ LoRA job (r=8 on q/v, batch 4 x 256, 2 threads); the chosen job then runs 3 real
 process (`lodger.memory.measure`: lodger's own pieces, VmHWM), and the lines compare the
 planner's predicted peak and time per step with what was measured.
 
-    python bench/plan_1b.py                        # --memory 4GiB: fp32 does not fit, the planner quantises
-    python bench/plan_1b.py --memory 3GiB --scratch /var/tmp/lodger-1b
+    python bench/plan_1b.py                        # --memory 5GiB: fp32 and 8 bits do not fit, 4 bits does
+    python bench/plan_1b.py --memory 3GiB --scratch /var/tmp/lodger-1b   # a smaller micro-batch
 
 Result lines: `plan 1b: predicted peak 2.71 GiB, measured 2.60 GiB, ratio 1.04` (goal 0.9-1.1) and
 `plan 1b: predicted 31.0 s/step, measured 28.2 s/step (steps 2-3), ratio 1.10`.
@@ -34,20 +34,25 @@ SHAPE = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate
 
 
 def build(scratch: Path) -> Path:
-    from fixtures_lib import build_tiny_model, write_chat_jsonl
+    from fixtures_lib import build_tiny_model, make_text_records
 
     folder = scratch / "llama-1b"
     if not (folder / "model.safetensors").is_file():
         started = time.perf_counter()
         build_tiny_model(folder, seed=0, **SHAPE)
         print(f"# built {folder} in {time.perf_counter() - started:.0f} s", flush=True)
-    write_chat_jsonl(scratch / "train.jsonl", 64, seed=0)
+    # Examples longer than max_length, so that every row the planner counts is as wide as the
+    # measured ones (measure() pads every row to seq_len; short chats would be planned narrower).
+    records = make_text_records(64 * 24, 0)
+    with (scratch / "train.jsonl").open("w") as fh:
+        for i in range(64):
+            fh.write(json.dumps({"text": "\n".join(r["text"] for r in records[i * 24:(i + 1) * 24])}) + "\n")
     return folder
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--memory", default="4GiB")
+    parser.add_argument("--memory", default="5GiB")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/lodger-bench-1b"))
     parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
@@ -76,7 +81,8 @@ def main() -> None:
     job = load_job(out)
     seq = min(args.seq, job.data.max_length)
     got = memory.measure(job, folder, seq_len=seq, steps=3)
-    print("# measured phases (MiB) " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in got.phases.items())
+    print(f"# planned width {chosen.get('seq_len', '?')}, measured rows {seq} wide; measured phases (MiB) "
+          + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in got.phases.items())
           + f"; s/step {', '.join(f'{s:.1f}' for s in got.step_seconds)}; load average {os.getloadavg()[0]:.1f}",
           flush=True)
     peak = chosen["peak_bytes"]

@@ -94,7 +94,7 @@ def options_now(options, cfg) -> str:
 def _row(option, cfg) -> dict:
     return {"setting": option.describe(cfg), "changes": option.changes, "fits": option.fits, "cuts": option.cuts,
             "peak_bytes": option.estimate.total_bytes, "step_seconds": option.estimate.step_seconds,
-            "items": option.estimate.items}
+            "seq_len": option.estimate.seq_len, "items": option.estimate.items}
 
 
 def _free_gpu_memory() -> int:
