@@ -10,7 +10,7 @@ shape. Batch 8, LoRA r=8 on q/v or full fine-tuning, fp32, the runtime measured 
 from __future__ import annotations
 
 from lodger.config import JobConfig
-from lodger.memory import estimate, step_flops
+from lodger.memory.estimate import estimate, step_flops
 
 SHAPES = {
     "SmolLM2-135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

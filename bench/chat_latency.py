@@ -166,7 +166,7 @@ def ask(client, prompt: str, max_tokens: int, folder: Path | None = None) -> dic
     also how long after the request began the run said it was held (None: not before the answer ended)."""
     import threading
 
-    from lodger.control import run_state
+    from lodger.owner.control import run_state
 
     started = time.perf_counter()
     done, hold = threading.Event(), {}
@@ -226,7 +226,7 @@ def _lines(path: Path) -> list[str]:
 
 
 def stop_training(folder: Path) -> None:
-    from lodger.runlock import is_locked, lock_pid
+    from lodger.owner.runlock import is_locked, lock_pid
 
     pid = lock_pid(folder)
     if pid is None or not is_locked(folder):
@@ -259,8 +259,8 @@ def steps_between(folder: Path, since: float, until: float) -> int:
 
 def set_user_hold(folder: Path, hold: bool) -> None:
     """Hold the run (or let it go) as `lodger pause --hold` / `lodger resume` do; wait until it answers."""
-    from lodger.control import clear_request, notify, run_state, write_request
-    from lodger.runlock import lock_pid
+    from lodger.owner.control import clear_request, notify, run_state, write_request
+    from lodger.owner.runlock import lock_pid
 
     if hold:
         write_request(folder, "user", "hold", "chat latency benchmark: idle condition")

@@ -115,7 +115,7 @@ keep_last = 3
 def warm_caches(job_path: Path) -> dict:
     """Dequantise the model and tokenise the data once (untimed); return what children need."""
     use_bench_home()
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
     from lodger.lifecycle.prepare import prepare
 
     started = time.perf_counter()
@@ -139,7 +139,7 @@ def lora_model(folder: Path):
 
 def batch_order(n_examples: int, steps: int, batch: int = BATCH, seed: int = SEED) -> list[list[int]]:
     """The example indices of every step, exactly as lodger's sampler draws them."""
-    from lodger.data import Sampler
+    from lodger.data.chats import Sampler
 
     sampler = Sampler(list(range(n_examples)), seed)
     return [[sampler.at(s * batch + k) for k in range(batch)] for s in range(steps)]

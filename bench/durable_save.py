@@ -44,7 +44,7 @@ def build_state():
     import torch
 
     from lodger.config import MethodConfig
-    from lodger.data import collate, read_jsonl, tokenize
+    from lodger.data.chats import collate, read_jsonl, tokenize
     from lodger.model import attach_method, load_base_model, load_tokenizer, model_folder, resolve_source, tokenizer_hash
     from lodger.train.optim import build_optimizer
 

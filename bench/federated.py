@@ -88,7 +88,7 @@ def eval_loss(model_folder: Path, adapter: Path, eval_file: Path, max_length: in
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from lodger.data import collate, read_jsonl, tokenize
+    from lodger.data.chats import collate, read_jsonl, tokenize
     from lodger.model import load_tokenizer, tokenizer_hash
 
     tokenizer = load_tokenizer(model_folder)
@@ -109,7 +109,7 @@ def eval_loss(model_folder: Path, adapter: Path, eval_file: Path, max_length: in
 def federated(root: Path, model: str, shards: dict[str, Path], args) -> tuple[Path, float, list[float], dict]:
     """Run the federation; return (global adapter folder, wall seconds, per-round overhead seconds,
     where the seconds went: the mean per stage of a client's round and the rest of the round)."""
-    from lodger.compare import total_compute
+    from lodger.reporting.compare import total_compute
     from lodger.federated import processes
 
     placeholder = root / "placeholder.jsonl"

@@ -149,7 +149,7 @@ def wait_for(condition, timeout: float, what: str, period: float = 0.005):
 
 
 def train_a_few_steps(run_id: str, steps: int = 3) -> None:
-    from lodger.runlock import is_locked
+    from lodger.owner.runlock import is_locked
 
     target = newest_step(run_id) + steps
     wait_for(lambda: newest_step(run_id) >= target or not is_locked(folder_of(run_id)), 900, f"step {target}")
@@ -158,7 +158,7 @@ def train_a_few_steps(run_id: str, steps: int = 3) -> None:
 
 
 def run_pid(run_id: str) -> int:
-    from lodger.runlock import lock_pid
+    from lodger.owner.runlock import lock_pid
 
     return lock_pid(folder_of(run_id))
 
@@ -223,9 +223,9 @@ def measure_hold(run_id: str) -> dict:
 
 def background_foreign_cpu(run_id: str | None = None, samples: int = 4, window: float = 0.5) -> float:
     """Other processes' CPU share now; the benchmark's own run (if it is training) is not foreign."""
-    from lodger.machine import Sampler
+    from lodger.owner.machine import Sampler
     from lodger.home import run_dir
-    from lodger.runlock import lock_pid
+    from lodger.owner.runlock import lock_pid
 
     ours = {lock_pid(run_dir(run_id))} - {None} if run_id else set()
     sampler, found = Sampler(), []
@@ -237,7 +237,7 @@ def background_foreign_cpu(run_id: str | None = None, samples: int = 4, window: 
 
 
 def measure_agent(run_id: str, interval: float) -> dict:
-    from lodger.control import run_state
+    from lodger.owner.control import run_state
 
     folder = folder_of(run_id)
     train_a_few_steps(run_id)
@@ -328,7 +328,7 @@ def main() -> None:
                                 delay / args.interval, f"{delay:.2f} s vs {args.interval:g} s; limit "
                                 f"max_foreign_cpu {limit}", "<= 2"))
     finally:
-        from lodger.runlock import is_locked
+        from lodger.owner.runlock import is_locked
 
         if is_locked(folder_of(run_id)):
             lodger("pause", run_id, check=False)

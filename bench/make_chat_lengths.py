@@ -100,8 +100,8 @@ def main() -> None:
     planned = write(args.out, args.lines, args.max_length, args.median, args.sigma, args.seed, *calibration)
     print(summary("planned tokens", planned, args.max_length, args.batch))
     if args.model:
-        from lodger.data import read_jsonl, tokenize
-        from lodger.packing import example_lengths
+        from lodger.data.chats import read_jsonl, tokenize
+        from lodger.data.packing import example_lengths
 
         data = tokenize(read_jsonl(args.out), tokenizer, f"bench:{args.model}", args.max_length)
         print(summary("tokenised", example_lengths(data), args.max_length, args.batch))

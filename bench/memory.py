@@ -4,7 +4,7 @@ For SmolLM2-135M (the cached dequantised folder of `smollm2-135m-instruct`): LoR
 q/v and full fine-tuning, two sequence lengths, with and without gradient checkpointing, fp32,
 2 threads. Each measurement runs a few real steps of lodger's own pieces (load_base_model,
 attach_method, build_optimizer, token_loss_sum, backward, AdamW) in a fresh process and reads
-its VmHWM (`lodger.memory.measure`); the estimate uses the runtime size measured once in a fresh
+its VmHWM (`lodger.memory.estimate.measure`); the estimate uses the runtime size measured once in a fresh
 process. Beside them: what `accelerate estimate-memory` reports for the same model, computed
 from the local config.json with accelerate's own functions (the command itself needs the hub).
 
@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
 
     common.use_bench_home()
-    from lodger import memory
+    from lodger.memory import estimate as memory
     from lodger.model import model_folder, resolve_source
 
     folder = model_folder(resolve_source(common.MODEL_ALIAS))

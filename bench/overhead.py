@@ -38,7 +38,7 @@ def plain_child(steps: int, out: Path) -> None:
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import AutoTokenizer
 
-    from lodger.data import collate, read_jsonl, tokenize
+    from lodger.data.chats import collate, read_jsonl, tokenize
     from lodger.model import model_folder, resolve_source, tokenizer_hash
 
     torch.set_num_threads(common.THREADS)

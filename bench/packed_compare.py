@@ -13,14 +13,14 @@ byte-level tokenizer; built once in the bench home) so a run takes minutes on 2 
   three layouts: padded rows, one flattened row, and rows of at most max_length tokens
   (``pack_tokens = max_length``);
 - the Trainer with its defaults (random sampler, batches of ``batch_size`` padded to their
-  longest, by ``lodger.data.collate``);
+  longest, by ``lodger.data.chats.collate``);
 - the Trainer with ``DataCollatorWithFlattening`` (its padding-free collator: each batch one row
   with restarting position ids), batches of ``batch_size`` examples as lodger's;
 - the Trainer with ``train_sampling_strategy="group_by_length"`` (batches of similar lengths).
 
 Every side uses the same model folder, LoRA, learning rate schedule, threads, CPU priority
 (``[limits] nice = 0``: lodger's default nice 10 would hand a loaded machine's cores to the
-Trainer sides) and tokenised examples (``lodger.data.tokenize``), and trains every example once, so every side counts
+Trainer sides) and tokenised examples (``lodger.data.chats.tokenize``), and trains every example once, so every side counts
 the same
 target tokens (the labelled positions: printed per side). Target tokens per second are the
 epoch's target tokens over the training steps' time: from the start of step 1 (lodger: its end
@@ -133,7 +133,7 @@ def trainer_child(args) -> None:
     from transformers import (AutoTokenizer, DataCollatorWithFlattening, Trainer,
                               TrainerCallback, TrainingArguments)
 
-    from lodger.data import collate, read_jsonl, tokenize
+    from lodger.data.chats import collate, read_jsonl, tokenize
     from lodger.model import model_folder, quiet_transformers, resolve_source, tokenizer_hash
 
     quiet_transformers()
@@ -270,9 +270,9 @@ def main() -> None:
         trainer_child(args)
         return
     args.model = args.model or str(tiny_model())
-    from lodger.data import read_jsonl, tokenize
+    from lodger.data.chats import read_jsonl, tokenize
     from lodger.model import load_tokenizer, model_folder, resolve_source, tokenizer_hash
-    from lodger.packing import example_lengths
+    from lodger.data.packing import example_lengths
 
     folder = model_folder(resolve_source(args.model))
     tokenizer = load_tokenizer(folder)

@@ -5,7 +5,7 @@ parameters with the tests' small tokenizer) is built once, randomly initialised 
 tests/fixtures_lib.build_tiny_model (nothing downloaded; about 3.9 GB of fp32 safetensors in the
 scratch folder). `lodger plan JOB --memory M --json` (the real command) picks the settings for a
 LoRA job (r=8 on q/v, batch 4 x 256, 2 threads); the chosen job then runs 3 real steps in a fresh
-process (`lodger.memory.measure`: lodger's own pieces, VmHWM), and the lines compare the
+process (`lodger.memory.estimate.measure`: lodger's own pieces, VmHWM), and the lines compare the
 planner's predicted peak and time per step with what was measured.
 
     python bench/plan_1b.py                        # --memory 5GiB: fp32 and 8 bits do not fit, 4 bits does
@@ -75,8 +75,8 @@ def main() -> None:
     print(f"# plan within {args.memory}: {chosen['setting']} (of {len(planned['options'])} considered, "
           f"{sum(o['fits'] for o in planned['options'])} fit); items (MiB) "
           + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in chosen["items"].items()), flush=True)
-    from lodger import memory
-    from lodger.jobfile import load_job
+    from lodger.memory import estimate as memory
+    from lodger.lifecycle.jobfile import load_job
 
     job = load_job(out)
     seq = min(args.seq, job.data.max_length)

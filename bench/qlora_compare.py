@@ -5,7 +5,7 @@ process each, one after the other: lodger with the fp32 base (what lodger trains
 weights stay fp32, a 16-bit run would autocast over the same copy), with `base_bits = 4` (NF4,
 double quantisation) and `base_bits = 8` (LLM.int8); then the anchor, the same 4-bit job in TRL's
 ``SFTTrainer`` with peft (transformers' ``BitsAndBytesConfig``, lodger's tokenised examples in
-lodger's batch order, padded by ``lodger.data.collate``, no gradient checkpointing, as lodger).
+lodger's batch order, padded by ``lodger.data.chats.collate``, no gradient checkpointing, as lodger).
 Each lodger side evaluates the bundled held-out chats (src/lodger/demo/eval.jsonl) after the
 last step. Peak RSS is each child's ``ru_maxrss`` (``os.wait4``); steps per second from the end
 of step 1 to the end of the last step. The base's share is the bytes the loaded base holds
@@ -65,7 +65,7 @@ def trl_child(steps: int, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from lodger.data import collate, read_jsonl, tokenize
+    from lodger.data.chats import collate, read_jsonl, tokenize
     from lodger.model import model_folder, quiet_transformers, resolve_source, tokenizer_hash
 
     quiet_transformers()

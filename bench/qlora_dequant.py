@@ -30,7 +30,7 @@ def best(call, n: int = 5) -> float:
 def main() -> None:
     import bitsandbytes as bnb
 
-    from lodger.memory import MATMUL_EFFICIENCY
+    from lodger.memory.estimate import MATMUL_EFFICIENCY
     from lodger.train.throughput import flops_per_second
 
     torch.set_num_threads(2)

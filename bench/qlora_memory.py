@@ -4,7 +4,7 @@ For the tests' tiny Llama (tests/fixtures_lib.build_tiny_model, hidden 32, 2 lay
 SmolLM2-135M (the dequantised folder lodger caches for `smollm2-135m-instruct`, used as a plain
 folder: its weights were Q4_1, dequantised, then quantised again here), LoRA r=8 on q/v, batch 4
 x 128, 2 threads, with the base fp32, 4-bit and 8-bit, with and without DoRA. Each measurement is
-a few real steps of lodger's own pieces in a fresh process (`lodger.memory.measure`, VmHWM).
+a few real steps of lodger's own pieces in a fresh process (`lodger.memory.estimate.measure`, VmHWM).
 
     python bench/qlora_memory.py                   # both models, every case (about 15 min here)
     python bench/qlora_memory.py --models tiny --bits 4 8
@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     common.use_bench_home()
-    from lodger import memory
+    from lodger.memory import estimate as memory
 
     runtime = memory.runtime_bytes(threads=common.THREADS, use_current=False)
     print(f"# batch {args.batch} x {args.seq}, LoRA r={common.RANK} on {'/'.join(common.TARGETS)}, "

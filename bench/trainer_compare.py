@@ -4,7 +4,7 @@ Each side runs in its own child process (one after the other, alternating when r
 RSS is that child's ``ru_maxrss`` from ``os.wait4``. The Trainer gets what makes it fast here
 (its defaults: fused AdamW; ``use_cache=False``) and the same work as lodger: the same model folder,
 the same tokenised examples in lodger's batch order (a sequential sampler over the examples
-pre-ordered by lodger's sampler), padded by ``lodger.data.collate``, the same cosine to 10 %
+pre-ordered by lodger's sampler), padded by ``lodger.data.chats.collate``, the same cosine to 10 %
 (``cosine_with_min_lr``, ``min_lr_rate=0.1``), clip at 1.0, a loss logged every step. It saves
 nothing (``save_strategy="no"``); lodger commits a checkpoint every 50 steps, as a user's job would.
 
@@ -33,7 +33,7 @@ def trainer_child(steps: int, out: Path) -> None:
     import torch
     from transformers import AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-    from lodger.data import collate, read_jsonl, tokenize
+    from lodger.data.chats import collate, read_jsonl, tokenize
     from lodger.model import model_folder, quiet_transformers, resolve_source, tokenizer_hash
 
     quiet_transformers()

@@ -318,7 +318,7 @@ def check_poisoned_step(c: Checker, job: Path, precision: str) -> None:
 
     With fp16 this is the GradScaler path: unscale_() ran for the bad step, so unless the scaler is
     updated the next step's unscale_() raises "unscale_() has already been called"."""
-    from lodger.data import Sampler
+    from lodger.data.chats import Sampler
 
     text = job.read_text()
     sections = {"training": {}}

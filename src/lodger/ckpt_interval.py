@@ -211,7 +211,7 @@ def machine_history(ledger, run_id: str | None = None) -> History:
     that the ledger says is running or held but whose run folder nobody holds locked died
     without a word and was never resumed: its last segment counts as an interruption too."""
     from .home import run_dir
-    from .runlock import is_locked
+    from .owner.runlock import is_locked
 
     crashed = {r["id"] for r in ledger.runs() if r["status"] in ("running", "held") and not r.get("target")
                and r["id"] != run_id and not is_locked(run_dir(r["id"]))}

@@ -3,7 +3,7 @@
 
 - ``LODGER_FAULT=name`` or ``name@N``: ``fault_point(name)`` kills the process with SIGKILL at that
   place (its N-th occurrence, 1-based). The names are listed where they are used
-  (recovery.LEDGER_FAULT_POINTS, checkpoint.py, lifecycle/run.py, durable.py, datasets.py, export/,
+  (recovery.LEDGER_FAULT_POINTS, checkpoint.py, lifecycle/run.py, durable.py, data/registry.py, export/,
   cli/agent.py, cli/serve.py). ``name@N:stop`` freezes the
   process there with SIGSTOP instead, so a test can kill it (or what started it) at a known point,
   not a raced one; it freezes once, at the N-th occurrence only: a process continued with SIGCONT

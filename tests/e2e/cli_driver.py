@@ -72,9 +72,10 @@ def run(case: dict) -> int:
 
 # Imported once, before the forks (the point of this driver): the CLI and the modules its commands
 # import to validate, none of which imports torch. A case that needs torch imports it itself.
-PRELOAD = ("lodger.cli.main", "lodger.jobfile", "lodger.config", "lodger.lifecycle.run", "lodger.ledger", "lodger.targets",
-           "lodger.gate", "lodger.datasets", "lodger.data", "lodger.control", "lodger.agent", "lodger.model",
-           "lodger.remote", "lodger.runlock", "lodger.recovery", "lodger.checkpoint")
+PRELOAD = ("lodger.cli.main", "lodger.lifecycle.jobfile", "lodger.config", "lodger.lifecycle.run", "lodger.ledger",
+           "lodger.remote.targets", "lodger.remote.gate", "lodger.data.registry", "lodger.data.chats",
+           "lodger.owner.control", "lodger.owner.agent", "lodger.model", "lodger.remote", "lodger.owner.runlock",
+           "lodger.train.recovery", "lodger.checkpoint")
 
 
 def main() -> None:

@@ -54,7 +54,7 @@ def test_final_adapter_and_last_checkpoint_load_with_plain_peft_and_match_lodger
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
     from lodger.model import attach_method, load_base_model, load_trainable_state
 
     last = baseline.run_dir / "checkpoints" / checkpoint_dirs(baseline.run_dir)[-1]

@@ -140,7 +140,7 @@ def test_a_run_that_keeps_failing_is_retried_with_growing_delays_then_given_up(t
 LOCK_HOLDER = """
 import signal, sys
 from pathlib import Path
-from lodger.runlock import RunLock
+from lodger.owner.runlock import RunLock
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the agent wakes the run it holds; this stand-in ignores it
 lock = RunLock(Path(sys.argv[1]).parent)
 print("locked", flush=True)

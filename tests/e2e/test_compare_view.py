@@ -43,7 +43,7 @@ def png_height(path: Path) -> int:
 
 def test_compare_says_bitwise_equal_and_its_plot_has_eval_and_difference_panels(three_runs, lodger_home,
                                                                                  tmp_path):
-    from lodger.compare import compare_runs, figure
+    from lodger.reporting.compare import compare_runs, figure
 
     env = lodger_env(lodger_home)
     same = run_lodger(["compare", three_runs["B"], three_runs["A"], "--plot", tmp_path / "same.png"], env)

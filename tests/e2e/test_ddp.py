@@ -18,7 +18,7 @@ import pytest
 from helpers import (TOTAL_STEPS, WORLD, checkpoint_dirs, describe, eval_losses, event_kinds,
                      final_adapter_bytes, killed_by_sigkill, lodger_env, run_dir_of, run_lodger, show,
                      stale_entries, start_lodger, train_records, wait_until)
-from lodger.runlock import is_locked
+from lodger.owner.runlock import is_locked
 
 
 

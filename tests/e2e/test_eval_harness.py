@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from helpers import describe, lodger_env, run_dir_of, run_lodger, show, start_lodger, wait_until
-from lodger.control import notify, write_request
+from lodger.owner.control import notify, write_request
 from lodger.ledger import Ledger
-from lodger.runlock import holder
+from lodger.owner.runlock import holder
 
 lm_eval = pytest.importorskip("lm_eval")
 

@@ -16,8 +16,8 @@ import pytest
 from fixtures_lib import write_chat_jsonl
 from helpers import (checkpoint_dirs, describe, eval_losses, final_adapter_bytes, lodger_env, read_metrics,
                      run_dir_of, run_lodger, start_lodger, train_records, wait_until, write_job)
-from lodger.control import clear_request, notify, run_state, write_request
-from lodger.runlock import is_locked, lock_pid
+from lodger.owner.control import clear_request, notify, run_state, write_request
+from lodger.owner.runlock import is_locked, lock_pid
 
 EVAL_EXAMPLES = 3000  # 750 batches of 4: several seconds of eval even on a fast machine
 JOB = dict(steps=8, batch_size=4, grad_accum=2, every_steps=4, keep_last=2, threads=1, max_length=64,

@@ -40,7 +40,7 @@ def lodger_logits(torch, run_dir: Path, model_dir: Path):
     """lodger's own model with the run's final adapter (not merged)."""
     from safetensors.torch import load_file
 
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
     from lodger.model import attach_method, load_base_model, load_trainable_state
 
     job = load_job(run_dir / "job.toml")

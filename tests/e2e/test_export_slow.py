@@ -36,7 +36,7 @@ def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model_and_load_
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
     from lodger.model import alias_path, attach_method, load_base_model, load_trainable_state, model_folder, \
         resolve_source
 

@@ -141,7 +141,7 @@ def test_a_second_agent_is_refused_naming_the_first_which_goes_on(tmp_path):
     env = lodger_env(home, LODGER_POWER_SUPPLY_DIR=str(tmp_path / "no-power-supply"))
     first = start_lodger(["agent", "--interval", "0.2", "--for-seconds", "300"], env, tmp_path / "logs")
     try:
-        from lodger.runlock import flock_held
+        from lodger.owner.runlock import flock_held
 
         wait_until(lambda: flock_held(home / "agent.lock"), 120, first.proc, what="the first agent's lock",
                    output=first, interval=0.05)

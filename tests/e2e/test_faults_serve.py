@@ -32,8 +32,8 @@ import pytest
 
 from helpers import describe, lodger_env, read_metrics, run_lodger, start_lodger, wait_until, write_job
 from serve_helpers import Server, assert_error, start_server
-from lodger.control import clear_request, notify, read_requests, run_state, write_request
-from lodger.runlock import is_locked, lock_pid
+from lodger.owner.control import clear_request, notify, read_requests, run_state, write_request
+from lodger.owner.runlock import is_locked, lock_pid
 
 pytestmark = pytest.mark.faults
 MIB = 2**20

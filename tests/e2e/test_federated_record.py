@@ -87,7 +87,7 @@ def test_compare_reports_the_gap_per_round_and_export_carries_the_rounds(tiny_mo
     # on the centralized run's final adapter gives the eval loss that run recorded at its last step.
     from safetensors.numpy import load_file
 
-    from lodger import jobfile
+    from lodger.lifecycle import jobfile
     from lodger.federated.evaluate import Evaluator
 
     monkeypatch.setenv("LODGER_HOME", str(server_home))

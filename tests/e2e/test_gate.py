@@ -101,7 +101,7 @@ def test_without_the_targets_speed_the_time_is_unknown_and_without_gpu_hours_no_
 
 
 def test_init_remote_adds_a_commented_remote_section_that_loads(tmp_path: Path, lodger_home: Path) -> None:
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
 
     lodger(["init", tmp_path / "job.toml", "--remote"], lodger_home)
     text = (tmp_path / "job.toml").read_text()

@@ -21,7 +21,7 @@ EXAMPLES = 256
 def lines_of_steps(job: Path, steps: list[int]) -> list[int]:
     """The data lines drawn by these 1-based steps, from the job's own step plans (packed under
     the default [training] packing = "auto"): the guard must skip exactly these examples."""
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
     from lodger.lifecycle.prepare import prepare
 
     prepared = prepare(load_job(job))

@@ -43,7 +43,7 @@ def test_training_from_an_adapter_starts_from_its_weights_exactly(baseline, e2e_
     # and in-process: the adapter's tensors are the model's trainable weights, exactly
     from safetensors.torch import load_file
 
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
     from lodger.model import attach_method, load_base_model, trainable_state
 
     method = load_job(job).method

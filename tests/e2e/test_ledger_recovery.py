@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (describe, killed_by_sigkill, lodger_env, read_metrics, run_lodger, write_job)
-from lodger.recovery import LEDGER_FAULT_POINTS
+from lodger.train.recovery import LEDGER_FAULT_POINTS
 
 STEPS, EVERY = 12, 4
 JOB = dict(steps=STEPS, batch_size=4, grad_accum=2, every_steps=EVERY, keep_last=2, threads=1, max_length=64,

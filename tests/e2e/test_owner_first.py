@@ -23,10 +23,10 @@ import pytest
 
 from helpers import (checkpoint_dirs, describe, eval_losses, final_adapter_bytes, lodger_env, read_metrics,
                      run_dir_of, run_lodger, show, start_lodger, train_records, wait_until, write_job)
-from lodger.machine import CLK_TCK, Sampler, process_jiffies
-from lodger.control import notify, process_state, run_state, write_request
+from lodger.owner.machine import CLK_TCK, Sampler, process_jiffies
+from lodger.owner.control import notify, process_state, run_state, write_request
 from lodger.ledger import Ledger
-from lodger.runlock import is_locked, lock_pid
+from lodger.owner.runlock import is_locked, lock_pid
 
 # Long enough that the run is still training while the test acts on it (about 20 s of training on
 # one thread; 240 steps once ended before a test's sixth CLI call under load), with gradient

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers import describe, lodger_env, read_metrics, run_dir_of, run_lodger, start_lodger, wait_until, write_job
-from lodger.control import clear_request, notify, run_state, write_request
-from lodger.runlock import is_locked, lock_pid
+from lodger.owner.control import clear_request, notify, run_state, write_request
+from lodger.owner.runlock import is_locked, lock_pid
 
 LONG_NAME = "a-rather-long-experiment-name"  # ids of 51 characters: longer than a narrow terminal's columns
 

@@ -36,7 +36,7 @@ def _plan(setup: dict, memory: str, out: Path, *extra: str):
 
 
 def test_plan_writes_a_setting_that_fits_just_under_the_jobs_own_peak_as_a_job_lodger_loads(plan_setup, tmp_path):
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
 
     listed = _plan(plan_setup, "100GiB", tmp_path / "roomy.toml", "--json")
     assert listed.returncode == 0, describe(listed)

@@ -15,8 +15,8 @@ import pytest
 
 from helpers import LODGER, describe, lodger_env, read_metrics, run_dir_of, run_lodger, start_lodger, wait_until, \
     write_job
-from lodger.control import clear_request, notify, run_state, write_request
-from lodger.runlock import is_locked, lock_pid
+from lodger.owner.control import clear_request, notify, run_state, write_request
+from lodger.owner.runlock import is_locked, lock_pid
 
 POLL = 0.01
 

@@ -164,9 +164,9 @@ def _stop_processes(group: int, temp: str) -> None:
 def _plan(job_path: Path, head: dict):
     """What the gate hands over once it approved a job: the validated job, the target, the files."""
     from lodger.hashing import hash_file
-    from lodger.jobfile import load_job
-    from lodger.gate import LeavingFile, Plan
-    from lodger.targets import Target
+    from lodger.lifecycle.jobfile import load_job
+    from lodger.remote.gate import LeavingFile, Plan
+    from lodger.remote.targets import Target
 
     job = load_job(job_path)
     files = [LeavingFile(role, Path(p), Path(p).stat().st_size, hash_file(Path(p)))
@@ -215,7 +215,7 @@ def _remote_dir(head: dict, run_id: str) -> Path:
 
 
 def _remote_state(head: dict, run_id: str) -> dict:
-    from lodger.control import run_state
+    from lodger.owner.control import run_state
 
     return run_state(_remote_dir(head, run_id))
 
@@ -275,7 +275,7 @@ def test_remote_job_runs_there_and_its_results_come_home_bitwise_equal(ray_head,
 
 
 def test_remote_worker_killed_mid_run_resumes_bitwise_equal(ray_head, standard_job, baseline, lodger_home):
-    from lodger.runlock import lock_pid
+    from lodger.owner.runlock import lock_pid
 
     env = lodger_env(lodger_home, **RAY_ENV)
     run_id = _submit(standard_job, ray_head)
@@ -386,7 +386,7 @@ def test_two_ray_train_workers_killed_and_resumed_end_bitwise_equal_to_two_ranks
     # on this one head), Ray Train makes the gloo group, and lodger's ranks join it. Rank 0 is
     # SIGKILLed mid-run: `lodger status` shows the run crashed, and `resume` (a new submission, at
     # the same world size) ends bitwise equal to two torchrun ranks here.
-    from lodger.runlock import lock_pid
+    from lodger.owner.runlock import lock_pid
 
     env = lodger_env(lodger_home, **RAY_ENV)
     job = tmp_path / "two-nodes.toml"
@@ -432,7 +432,7 @@ def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s
     import secrets
     import tempfile
 
-    from lodger.runlock import lock_pid
+    from lodger.owner.runlock import lock_pid
 
     secret = f"lodger-e2e-secret-{secrets.token_hex(8)}"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)  # moto takes any key; a unique one can be searched for

@@ -38,8 +38,8 @@ import pytest
 from helpers import (LODGER, STANDARD_JOB, checkpoint_dirs, describe, final_adapter_bytes, home_of, lodger_env,
                      run_lodger, show, start_lodger, wait_for_step, wait_until, write_job)
 from serve_helpers import QUESTION, Server, assert_error, free_port, start_server
-from lodger.control import clear_request, notify, read_requests, run_state, write_request
-from lodger.runlock import is_locked, lock_pid
+from lodger.owner.control import clear_request, notify, read_requests, run_state, write_request
+from lodger.owner.runlock import is_locked, lock_pid
 
 
 def stream_chat(client: openai.OpenAI, model: str, messages=QUESTION, **kw) -> tuple[list[str], list, str | None]:

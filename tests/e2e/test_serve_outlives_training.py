@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 
 from helpers import LODGER, describe, lodger_env, start_lodger, wait_for_step, wait_until, write_job
-from lodger.control import control_dir, run_state
-from lodger.runlock import is_locked, lock_pid
+from lodger.owner.control import control_dir, run_state
+from lodger.owner.runlock import is_locked, lock_pid
 
 TOKEN = "outlives-training"
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]

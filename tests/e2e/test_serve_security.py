@@ -110,7 +110,7 @@ def test_requests_for_another_host_are_refused(secured, host, allowed):
 TRAINER = """
 import signal, sys
 from pathlib import Path
-from lodger.runlock import RunLock
+from lodger.owner.runlock import RunLock
 
 out = open(sys.argv[2], "a", buffering=1)
 signal.signal(signal.SIGUSR1, lambda *_: out.write("woken\\n"))

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from lodger.tomlfile import to_toml
-from lodger.control import read_requests
+from lodger.config.tomlfile import to_toml
+from lodger.owner.control import read_requests
 from lodger.home import run_dir
 from lodger.ledger import Ledger
 from lodger.ledger.values import NewRun
-from lodger.runlock import RunLock, holder, is_locked, lock_pid, process_start
+from lodger.owner.runlock import RunLock, holder, is_locked, lock_pid, process_start
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import LODGER, describe, lodger_env  # noqa: E402
@@ -52,7 +52,7 @@ LOCK_TEXTS = {
 AGENT_TICKS = f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n" + """
 import json
 from fakes import FakeSampler
-from lodger.agent import Agent
+from lodger.owner.agent import Agent
 from lodger.ledger import Ledger
 
 with Ledger() as ledger:
@@ -235,7 +235,7 @@ def test_a_lock_file_naming_a_process_group_or_init_names_nobody(text, tmp_path)
 def test_a_real_lock_names_its_taker_and_only_while_it_lives(tmp_path, victim):
     folder = tmp_path / "run"
     folder.mkdir()
-    code = ("import sys, time; from pathlib import Path; from lodger.runlock import RunLock; "
+    code = ("import sys, time; from pathlib import Path; from lodger.owner.runlock import RunLock; "
             "lock = RunLock(Path(sys.argv[1])); print('locked', flush=True); time.sleep(1000)")
     taker = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
     try:

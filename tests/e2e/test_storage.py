@@ -329,8 +329,8 @@ def test_a_job_killed_repeatedly_without_checkpoints_stops_at_its_wall_time_limi
 
     from helpers import write_job
 
-    from lodger.control import Control, read_requests
-    from lodger.jobfile import load_job
+    from lodger.owner.control import Control, read_requests
+    from lodger.lifecycle.jobfile import load_job
     from lodger.remote import heartbeat
     from lodger.remote.backend import RemoteError
     from lodger.train.limits import REMOTE_ENV, LimitWatch

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from helpers import describe, lodger_env, read_metrics, run_dir_of, run_lodger, start_lodger, wait_until, write_job
-from lodger.control import read_requests, run_state
+from lodger.owner.control import read_requests, run_state
 from lodger.ledger import Ledger
-from lodger.runlock import is_locked
+from lodger.owner.runlock import is_locked
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

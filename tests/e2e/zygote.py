@@ -126,7 +126,7 @@ def _copy_private(source: Path, target: Path) -> None:
 
 
 def share_runtime_size(shared: Path, command: str) -> None:
-    """In the child: the size of the training runtime (``lodger.measure.runtime_bytes``: a fresh
+    """In the child: the size of the training runtime (``lodger.memory.measure.runtime_bytes``: a fresh
     interpreter that imports torch, transformers and peft, 5-6 s of a 2-core machine) is measured
     once per home and kept in its cache by library versions and threads, and nearly every test has
     a new home. The memo another child of this server measured is copied into this command's home

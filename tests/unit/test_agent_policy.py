@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from fakes import FakeSampler, measured
 
-from lodger import machine as machine_module
-from lodger.agent import Agent
-from lodger.machine import Sampler, on_battery, violations, within_hours
+from lodger.owner import machine as machine_module
+from lodger.owner.agent import Agent
+from lodger.owner.machine import Sampler, on_battery, violations, within_hours
 from lodger.config import PolicyConfig
-from lodger.tomlfile import to_toml
-from lodger.control import clear_request, effective, read_requests, write_request
+from lodger.config.tomlfile import to_toml
+from lodger.owner.control import clear_request, effective, read_requests, write_request
 from lodger.home import run_dir
 from lodger.ledger import Ledger
-from lodger.runlock import RunLock
+from lodger.owner.runlock import RunLock
 from lodger.ledger.values import NewRun
 
 

@@ -12,6 +12,7 @@ commands that only read free of torch; they count for the direction rules as wel
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def _under(name: str, part: str) -> bool:
 # (who, may not import) pairs. A module name matches itself and everything under it.
 FORBIDDEN = [
     ("lodger.train", ("lodger.cli", "lodger.serve", "lodger.remote", "lodger.lifecycle",
-                      "lodger.agent", "lodger.gate")),
+                      "lodger.owner.agent", "lodger.remote.gate")),
     ("lodger.durable", ("lodger.train",)),
     ("lodger.checkpoint", ("lodger.train",)),
     ("lodger.tensorfile", ("lodger.train",)),
@@ -278,3 +279,71 @@ def test_the_checks_see_the_whole_package():
     assert len(MODULES) > 40
     assert "lodger.ledger" in MODULES and "lodger.cli.main" in MODULES
     assert any(i.target.startswith("lodger.") for i in MODULES["lodger.cli.main"].imports)
+
+
+
+
+# -- the drawing: docs/architecture.md's layers, read from the page itself -----------------------
+DRAWING = SRC.parent / "docs" / "architecture.md"
+PLACE = re.compile(r"(?<![\w./])((?:[a-z_]+/)*(?:[a-z_]+\.py|[a-z_]+/))(?![\w/])")
+
+
+def _rows() -> list[list[str]]:
+    """The drawing's rows, top first: each the paths it names (`train/`, `data/chats.py`), from
+    the fenced block after the line `<!-- layers -->`. An arrow's `v` ends a row (a row may take
+    several lines); a line opening with `|` or `(` is an arrow or a comment."""
+    text = DRAWING.read_text(encoding="utf-8")
+    block = text.split("<!-- layers -->", 1)[1].split("```", 2)[1]
+    rows: list[list[str]] = [[]]
+    for line in block.splitlines():
+        stripped = line.strip()
+        if stripped == "v":
+            rows.append([])
+        elif stripped and stripped[0] not in "|(":
+            rows[-1].extend(PLACE.findall(stripped))
+    return [row for row in rows if row]
+
+
+def _path_of(mod: Module) -> str:
+    return mod.path.relative_to(SRC / PKG).as_posix()
+
+
+def _layer_of() -> tuple[dict[str, int], list[str]]:
+    """Each module's row (0 at the top), by the most specific place naming it, and the problems."""
+    rows = _rows()
+    places = {p: i for i, row in enumerate(rows) for p in row}
+    layer, problems = {}, []
+    for name, mod in MODULES.items():
+        path = _path_of(mod)
+        fits = [p for p in places if p == path or (p.endswith("/") and path.startswith(p))]
+        if not fits:
+            problems.append(f"{path} ({name}) is in no row of {DRAWING.name}'s drawing")
+            continue
+        layer[name] = places[max(fits, key=len)]
+    named = {p for row in rows for p in row}
+    files = {_path_of(m) for m in MODULES.values()}
+    for p in sorted(named):
+        if not any(f == p or (p.endswith("/") and f.startswith(p)) for f in files):
+            problems.append(f"the drawing names {p}, which does not exist")
+    return layer, problems
+
+
+def test_the_drawing_names_every_module_and_nothing_else():
+    _, problems = _layer_of()
+    assert len(_rows()) >= 6
+    assert not problems, "docs/architecture.md's drawing:\n" + "\n".join(problems)
+
+
+def test_every_import_goes_down_or_sideways_in_the_drawing():
+    layer, _ = _layer_of()
+    bad = []
+    for mod in MODULES.values():
+        for imp in mod.imports:
+            dest = _owner_module(imp.target)
+            if dest is None or dest == mod.name or dest not in layer or mod.name not in layer:
+                continue
+            if dest == PKG:
+                continue  # `from lodger import x` names modules, counted as their own imports
+            if layer[dest] < layer[mod.name]:
+                bad.append(f"{_where(mod, imp.line)} imports {dest}, a row above it in the drawing")
+    assert not bad, "imports up the drawing:\n" + "\n".join(bad)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import lodger.ledger as ledger_module
-from lodger.agent import Agent, StarterLock
+from lodger.owner.agent import Agent, StarterLock
 from lodger.home import ledger_path
 from lodger.ledger import Ledger
 from lodger.ledger.migrations import MIGRATIONS
@@ -75,7 +75,7 @@ def test_a_deleted_metric_row_an_inserted_one_and_an_inserted_run_are_named():
 
 
 def test_a_dataset_event_edited_without_its_hash_is_refused_by_the_registry(tmp_path):
-    from lodger import datasets
+    from lodger.data import registry as datasets
     from lodger.errors import DatasetError
 
     data = tmp_path / "d.jsonl"

@@ -14,7 +14,7 @@ from lodger.ckpt_interval import (CEILING_SECONDS, FLOOR_FACTOR, PRIOR_COST_SECO
                                   machine_history, mean_time_between_interruptions, young_interval)
 from lodger.home import run_dir
 from lodger.ledger import Ledger
-from lodger.runlock import RunLock
+from lodger.owner.runlock import RunLock
 from lodger.ledger.values import NewRun
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from lodger.config import JobConfig, total_steps
-from lodger.tomlfile import to_toml
-from lodger.jobfile import example_job, load_job, parse_job
+from lodger.config.tomlfile import to_toml
+from lodger.lifecycle.jobfile import example_job, load_job, parse_job
 from lodger.errors import JobFileError
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from lodger.control import continue_stopped, process_state
+from lodger.owner.control import continue_stopped, process_state
 
 # A parent in a process group of its own (a shell job), and a child in that group (another rank).
 JOB = ("import subprocess, sys, time\n"

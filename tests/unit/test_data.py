@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lodger.data import Sampler, collate, encode_row, read_jsonl, split_indices, tokenize
+from lodger.data.chats import Sampler, collate, encode_row, read_jsonl, split_indices, tokenize
 from lodger.errors import DataError
 from lodger.model import load_tokenizer
 

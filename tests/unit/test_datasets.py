@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lodger import datasets
-from lodger.jobfile import load_job
+from lodger.data import registry as datasets
+from lodger.lifecycle.jobfile import load_job
 from lodger.errors import DatasetError, JobFileError
 from lodger.ledger import Ledger
 

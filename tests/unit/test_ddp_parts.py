@@ -16,7 +16,7 @@ import torch
 
 from lodger import rng
 from lodger.checkpoint import CheckpointStore
-from lodger.data import TokenizedSet, collate
+from lodger.data.chats import TokenizedSet, collate
 from lodger.distributed import checkpoint_world_size, refuse_other_world_size
 from lodger.errors import RunStateError
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from lodger.control import Control, ReleaseRequested, write_request
+from lodger.owner.control import Control, ReleaseRequested, write_request
 from lodger.errors import EvalError
 from lodger.ledger import Ledger
 
 pytest.importorskip("lm_eval")
 
-from lodger import evalharness  # noqa: E402  (after the skip: it needs lm-eval at call time)
+from lodger.evaluation import harness as evalharness  # noqa: E402  (after the skip: it needs lm-eval at call time)
 from lodger.ledger.values import NewRun
 
 DEMO_EVAL = Path(evalharness.TASKS_DIR).parent / "eval.jsonl"
@@ -163,7 +163,7 @@ def _two_runs(ledger: Ledger) -> None:
 
 
 def test_harness_scores_keep_each_models_newest_score_per_task():
-    from lodger.compare import harness_scores
+    from lodger.reporting.compare import harness_scores
 
     with Ledger() as ledger:
         _two_runs(ledger)

@@ -1,4 +1,4 @@
-"""Where a run lives, chosen once from its ledger row (executors.py)."""
+"""Where a run lives, chosen once from its ledger row (remote/executors.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lodger.errors import LodgerError, RunStateError
-from lodger.executors import Asked, LocalExecutor, RemoteExecutor, executor_for, wait_answered
+from lodger.remote.executors import Asked, LocalExecutor, RemoteExecutor, executor_for, wait_answered
 
 
 def test_a_run_with_a_target_is_remote_and_any_other_is_local() -> None:

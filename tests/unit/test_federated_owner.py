@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from lodger import datasets
+from lodger.data import registry as datasets
 from lodger.errors import FederationRefused
 from lodger.federated import owner
-from lodger.jobfile import load_job
+from lodger.lifecycle.jobfile import load_job
 from lodger.ledger import Ledger
 
 

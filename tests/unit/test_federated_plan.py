@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lodger import datasets
+from lodger.data import registry as datasets
 from lodger.errors import FederationRefused
 from lodger.federated import plan as fplan
 

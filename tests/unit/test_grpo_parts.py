@@ -22,7 +22,7 @@ def _job(tmp_path: Path, extra: str = "", rewards: str = '[[rewards]]\nkind = "a
 
 
 def _problems(path: Path) -> str:
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
 
     with pytest.raises(JobFileError) as caught:
         load_job(path)
@@ -53,8 +53,8 @@ def test_grpo_job_checks_name_the_key_the_value_and_the_fix(tmp_path):
 
 
 def test_prompt_lines_are_checked_and_named(tmp_path):
-    from lodger.data import read_jsonl
-    from lodger.prompts import check_row
+    from lodger.data.chats import read_jsonl
+    from lodger.data.prompts import check_row
 
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join([
@@ -75,9 +75,9 @@ def test_prompt_lines_are_checked_and_named(tmp_path):
 
 
 def test_a_prompt_over_max_length_is_refused_with_its_line(tmp_path, tiny_model_dir):
-    from lodger.data import read_jsonl
+    from lodger.data.chats import read_jsonl
     from lodger.model import load_tokenizer
-    from lodger.prompts import check_row, tokenize_prompts
+    from lodger.data.prompts import check_row, tokenize_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": "word " * 80}) + "\n")
@@ -256,9 +256,9 @@ def test_init_writes_a_grpo_job_that_loads_with_its_prompts_and_verifier(tmp_pat
     from click.testing import CliRunner
 
     from lodger.cli.main import cli
-    from lodger.data import read_jsonl
-    from lodger.jobfile import load_job
-    from lodger.prompts import check_row
+    from lodger.data.chats import read_jsonl
+    from lodger.lifecycle.jobfile import load_job
+    from lodger.data.prompts import check_row
 
     result = CliRunner().invoke(cli, ["init", str(tmp_path / "grpo.toml"), "--objective", "grpo"])
     assert result.exit_code == 0, result.output

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 from test_packing import walk  # the plans of a walk from position 0, as the packing tests take them
 
-from lodger.data import LengthGroupedSampler, Sampler, make_sampler
+from lodger.data.chats import LengthGroupedSampler, Sampler, make_sampler
 from lodger.errors import JobFileError
-from lodger.jobfile import load_job
-from lodger.packing import Packer, PaddedPlanner, make_planner, padding_share
+from lodger.lifecycle.jobfile import load_job
+from lodger.data.packing import Packer, PaddedPlanner, make_planner, padding_share
 
 # 203 long-tailed lengths by dataset index 0..202; the sampler draws a subset (as a train split does)
 LENGTHS = [min(512, int(random.Random(k).lognormvariate(5.3, 0.8)) + 12) for k in range(203)]
@@ -129,7 +129,7 @@ def test_the_order_key_defaults_to_shuffle_and_a_bad_value_names_key_value_and_c
 
 
 def test_auto_packs_grouped_steps_on_the_cpu_and_elsewhere_only_when_they_are_padding_enough() -> None:
-    from lodger.packing import PACK_ABOVE, PACK_ABOVE_CPU
+    from lodger.data.packing import PACK_ABOVE, PACK_ABOVE_CPU
 
     training = SimpleNamespace(batch_size=4, grad_accum=2, world_size=1, pack_tokens=None)
     on_cpu = make_planner(training, 512, grouped(group=8), LENGTHS, "auto", "cpu")

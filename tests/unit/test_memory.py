@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fixtures_lib import build_tiny_model
 
-from lodger import memory
+from lodger.memory import estimate as memory
 from lodger.config import JobConfig
 from lodger.errors import ModelSourceError
 
@@ -71,7 +71,7 @@ def test_estimate_is_within_15_percent_of_measured_peak_rss_on_tiny_models(wide_
 def test_a_preference_estimate_is_within_10_percent_of_its_measured_peak(objective: str, wide_model_dir: Path,
                                                                         lodger_home: Path) -> None:
     """Pairs are two sequences per example (DPO), KTO one plus a KL pass without gradients; the
-    measurement trains the objective's own collated batches (measure.py)."""
+    measurement trains the objective's own collated batches (memory/measure.py)."""
     config = json.loads((wide_model_dir / "config.json").read_text())
     job = make_job(wide_model_dir, batch=4, seq=128)
     job.method.objective = objective
@@ -88,7 +88,7 @@ def test_a_preference_estimate_is_within_10_percent_of_its_measured_peak(objecti
 def test_a_grpo_estimate_is_within_10_percent_of_its_measured_peak(wide_model_dir: Path, lodger_home: Path) -> None:
     """G completions per prompt sampled to their full length (the KV cache), then the loss over
     prompt and completion, with the log-probabilities kept (mu = 2) and a reference pass (beta > 0):
-    measure.py runs GRPO's own objective on synthetic prompts."""
+    memory/measure.py runs GRPO's own objective on synthetic prompts."""
     config = json.loads((wide_model_dir / "config.json").read_text())
     job = JobConfig.model_validate({
         "model": {"source": str(wide_model_dir)}, "method": {"objective": "grpo"},
@@ -146,7 +146,7 @@ def test_writing_a_checkpoint_streams_from_tensor_memory_and_adds_next_to_nothin
     import torch
 
     from lodger.checkpoint import CheckpointStore
-    from lodger.memory import CHECKPOINT_COPIES
+    from lodger.memory.estimate import CHECKPOINT_COPIES
     from lodger.tensorfile import TensorFile
 
     def status(field: str) -> int:

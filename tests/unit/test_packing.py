@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lodger.data import Sampler, TokenizedSet, collate, read_jsonl, tokenize
+from lodger.data.chats import Sampler, TokenizedSet, collate, read_jsonl, tokenize
 from lodger.errors import JobFileError
 from lodger.model import load_base_model, load_tokenizer
-from lodger.packing import (PACK_ABOVE, Packer, PaddedPlanner, attention_mode, block_causal_mask,
+from lodger.data.packing import (PACK_ABOVE, Packer, PaddedPlanner, attention_mode, block_causal_mask,
                             collate_packed, example_lengths, make_planner, pack_list, pack_rows, padding_share)
 from lodger.train.attention import SEGMENTS, segment_bounds, set_attention
 
@@ -362,7 +362,7 @@ def test_a_packed_row_budget_below_max_length_is_refused_naming_the_key() -> Non
 
 def test_a_remote_job_declares_the_step_count_the_packed_run_trains(tiny_model_dir, chat_data, tmp_path):
     """remote/staging.py counts steps without a tokenizer; the run plans them from the tokens."""
-    from lodger.jobfile import load_job
+    from lodger.lifecycle.jobfile import load_job
     from lodger.remote.staging import planned_steps
     from lodger.lifecycle.prepare import prepare
 

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from lodger import gate, memory
+from lodger.remote import gate
+from lodger.memory import estimate as memory
 from lodger.config import JobConfig, TrainingConfig
 from lodger.errors import JobFileError
 from lodger.home import run_dir
 from lodger.ledger import Ledger
 from lodger.remote import backend as backends
-from lodger.targets import Target, TargetError, load_targets, targets_path
+from lodger.remote.targets import Target, TargetError, load_targets, targets_path
 from lodger.train.precision import MODES, Precision, check_device, mode
 from lodger.ledger.values import NewRun
 
@@ -84,7 +85,7 @@ def test_an_unknown_target_kind_is_refused_naming_the_known_ones(lodger_home):
 
 
 def test_choosing_a_backend_reads_targets_and_runs_without_importing_an_engine(lodger_home):
-    code = ("import sys\nfrom lodger.remote import backend_for\nfrom lodger.targets import load_targets\n"
+    code = ("import sys\nfrom lodger.remote import backend_for\nfrom lodger.remote.targets import load_targets\n"
             "load_targets()\nb = backend_for({'id': 'r', 'target': 't', 'remote': '{}'})\n"
             "print(b.kind, b.title, [m for m in ('ray', 'torch') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -119,7 +120,7 @@ class FolderBackend(backends.Backend):
 
 def test_a_run_is_driven_through_the_backend_of_the_kind_it_was_submitted_to(tmp_path, lodger_home, monkeypatch):
     from lodger import remote
-    from lodger.control import read_requests
+    from lodger.owner.control import read_requests
 
     monkeypatch.setitem(backends._BACKENDS, "folder", f"{__name__}:FolderBackend")
     engine, storage, run_id = tmp_path / "engine", tmp_path / "storage", "folder-1"

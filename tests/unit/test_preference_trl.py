@@ -52,9 +52,9 @@ class Pair:
 
     def __init__(self, folder, path, objective: str):
         from lodger.config import MethodConfig
-        from lodger.data import read_jsonl
+        from lodger.data.chats import read_jsonl
         from lodger.model import attach_method, load_base_model, load_tokenizer, tokenizer_hash
-        from lodger.preference import row_checker, tokenize_preference
+        from lodger.data.preference import row_checker, tokenize_preference
         from lodger.train.objective import make_objective
         from lodger.train.precision import Precision
 
@@ -87,7 +87,7 @@ class Pair:
 
     def lodger_step(self, indices: list[int]):
         """lodger's loss, metrics and LoRA gradients of one micro-batch (the loop's micro_step)."""
-        from lodger.packing import padded_batch
+        from lodger.data.packing import padded_batch
         from lodger.train.step import micro_step
 
         self.model.train()
@@ -176,7 +176,7 @@ def test_orpo_matches_trl_odds_ratio_loss(tmp_path, tiny_model_dir, trl_version)
 
     from trl.experimental.orpo import ORPOTrainer
 
-    from lodger.packing import padded_batch
+    from lodger.data.packing import padded_batch
 
     side = Pair(tiny_model_dir, write_preference_jsonl(tmp_path / "orpo.jsonl", 8, 0, "orpo"), "orpo")
     indices = [0, 1, 2, 3]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lodger.checkpoint import CheckpointStore
 from lodger.config import RemoteConfig
-from lodger.control import Control, ReleaseRequested, write_request
+from lodger.owner.control import Control, ReleaseRequested, write_request
 from lodger.home import run_dir
 from lodger.ledger import Ledger
 from lodger.train.limits import COST_ENV, REMOTE_ENV, RemoteLimits

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from lodger.train.record import StepRecord
-from lodger import report
-from lodger.report import Phase, Reporter, _waste, eval_eta
+from lodger.reporting import report
+from lodger.reporting.report import Phase, Reporter, _waste, eval_eta
 
 
 def test_an_mfu_above_one_hundred_percent_is_never_shown():

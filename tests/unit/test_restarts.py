@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lodger.agent import Agent, agent_log_path
+from lodger.owner.agent import Agent, agent_log_path
 from lodger.ledger import Ledger
-from lodger.restarts import Backoff, being_started, decide, mark_starting
+from lodger.owner.restarts import Backoff, being_started, decide, mark_starting
 
 BACKOFF = Backoff(first_delay=2.0, max_tries=3)
 
@@ -45,7 +45,7 @@ def test_a_give_up_then_the_owners_resume_counts_from_zero() -> None:
 
 def test_the_starting_lock_is_seen_while_its_holder_lives_and_not_after(tmp_path: Path) -> None:
     assert not being_started(tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from lodger.restarts import mark_starting; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from lodger.owner.restarts import mark_starting; "
                                f"mark_starting({str(tmp_path)!r}); print('held', flush=True); sys.stdin.read()"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

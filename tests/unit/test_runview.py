@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lodger.runview import TAIL_BYTES, newest_records, progress, step_text, table
+from lodger.lifecycle.runview import TAIL_BYTES, newest_records, progress, step_text, table
 
 
 def write_metrics(path, records, torn: str = "") -> None:

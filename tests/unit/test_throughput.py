@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from lodger.runview import rate_text
+from lodger.lifecycle.runview import rate_text
 from lodger.train import throughput
 from lodger.train.throughput import StepWork, better, measure_once, rate_record
 

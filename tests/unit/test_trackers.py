@@ -13,7 +13,7 @@ import pytest
 
 from lodger.ledger import Ledger
 from lodger.ledger.values import NewRun
-from lodger.trackers import export
+from lodger.reporting.trackers import export
 
 JOB = '[method]\nkind = "lora"\nrank = 8\n[training]\nsteps = 8\nlearning_rate = 0.001\n'
 
@@ -105,7 +105,7 @@ def test_a_tracker_that_fails_is_a_warning_and_an_event_and_the_others_are_writt
 _TRACKIO = """
 import json, sys
 from pathlib import Path
-from lodger.trackers import export
+from lodger.reporting.trackers import export
 folder = Path(sys.argv[1])
 result = export("job-1", ["trackio"], folder)
 from trackio.sqlite_storage import SQLiteStorage  # Trackio's own reader of its store

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lodger.config.training import GuardConfig, TrainingConfig
-from lodger.data import TokenizedSet, make_sampler
-from lodger.packing import example_lengths, make_planner
+from lodger.data.chats import TokenizedSet, make_sampler
+from lodger.data.packing import example_lengths, make_planner
 from lodger.train.collaborators import Collaborators
 from lodger.train.guard import Guard
 from lodger.train.holders import Progress

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lodger.control import Control, ReleaseRequested, write_request
+from lodger.owner.control import Control, ReleaseRequested, write_request
 from lodger.train.loop import install_yield_points
 
 

@@ -35,10 +35,10 @@ def agent(interval: float, max_concurrent: int | None, for_seconds: float | None
     """
     import signal
 
-    from ..agent import Agent, AgentLock, agent_log_path
-    from ..jobfile import user_defaults
+    from ..owner.agent import Agent, AgentLock, agent_log_path
+    from ..lifecycle.jobfile import user_defaults
     from ..ledger import Ledger
-    from ..restarts import Backoff
+    from ..owner.restarts import Backoff
 
     user_defaults()  # a bad config.toml is refused before the agent takes its lock or records a start
     lock = AgentLock()
@@ -75,9 +75,9 @@ def queue_add(job: Path, priority: int) -> None:
 
     Example: lodger queue add my-job.toml --priority 5
     """
-    from ..tomlfile import to_toml
-    from ..jobfile import load_job
-    from ..data import read_jsonl
+    from ..config.tomlfile import to_toml
+    from ..lifecycle.jobfile import load_job
+    from ..data.chats import read_jsonl
     from ..faults import fault_point
     from ..ledger import Ledger
 
@@ -152,7 +152,7 @@ def start_queued(queue_id: int, run_id: str | None) -> None:
     its `queued` event carries; until the run exists this process holds the entry's starter lock,
     so the agent does not requeue it meanwhile. RUN_ID, the id the agent chose, guards against a
     starter that outlived a requeue starting the job a second time."""
-    from ..agent import StarterLock
+    from ..owner.agent import StarterLock
     from .. import durable
     from ..durable import atomic_write
     from ..home import home

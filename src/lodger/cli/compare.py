@@ -11,7 +11,7 @@ from ..errors import LodgerError, RunStateError
 
 
 def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
-    from ..compare import loss_difference_text
+    from ..reporting.compare import loss_difference_text
 
     if as_json:
         click.echo(json.dumps(c.as_dict(), indent=1, default=str))
@@ -58,8 +58,8 @@ def _print_comparison(c, as_json: bool, limit: int = 12) -> None:
 
 def _print_harness(c) -> None:
     """`lodger eval` scores of both runs side by side (metric ± standard error)."""
-    from ..compare import harness_table
-    from ..evalharness import metric_text
+    from ..reporting.compare import harness_table
+    from ..evaluation.harness import metric_text
 
     having = [run_id for run_id in (c.a, c.b) if c.harness.get(run_id)]
     if not having:
@@ -127,7 +127,7 @@ def compare(run_id: str, other: str, tolerance: float, plot_path: Path | None, a
     Example: lodger compare my-job-resumed my-job-baseline --plot cmp.png
     Example: lodger compare federated:clinic-job clinic-union-20261129-101500-ab12
     """
-    from ..compare import compare_runs, plot
+    from ..reporting.compare import compare_runs, plot
     from ..federated.evaluate import is_federated
 
     if is_federated(run_id) or is_federated(other):
@@ -158,7 +158,7 @@ def reproduce(run_id: str, quiet: bool) -> None:
     from ..ledger import Ledger
     from ..lifecycle.prepare import JOB_FILE
     from ..lifecycle.run import Run
-    from .. import jobfile
+    from ..lifecycle import jobfile
     from ..model import resolve_source
     from ..hashing import hash_file
 
@@ -192,7 +192,7 @@ def reproduce(run_id: str, quiet: bool) -> None:
     if not outcome.finished:
         click.echo(f"reproduction {outcome.status}; continue it with `lodger resume {new_id}`")
         raise SystemExit(1)
-    from ..compare import compare_runs
+    from ..reporting.compare import compare_runs
 
     c = compare_runs(new_id, run["id"])
     click.echo(f"verdict: {c.verdict}")

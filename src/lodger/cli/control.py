@@ -28,10 +28,10 @@ def pause(run_ids: tuple[str, ...], hold: bool, all_runs: bool, no_wait: bool, t
     Example: lodger pause my-job-20261129-101500-ab12 --hold
              lodger pause --all
     """
-    from ..executors import executor_for, wait_answered
+    from ..remote.executors import executor_for, wait_answered
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..runlock import holder
+    from ..owner.runlock import holder
 
     mode = "hold" if hold else "release"
     with Ledger() as ledger:
@@ -65,11 +65,11 @@ def status(as_json: bool) -> None:
 
     Example: lodger status
     """
-    from ..agent import agent_pid
-    from ..control import read_requests
-    from ..executors import executor_for
+    from ..owner.agent import agent_pid
+    from ..owner.control import read_requests
+    from ..remote.executors import executor_for
     from ..ledger import Ledger
-    from ..runview import loss_text, progress, step_text
+    from ..lifecycle.runview import loss_text, progress, step_text
     from .runs import live_status, refresh_remote
 
     with Ledger() as ledger:
@@ -128,7 +128,7 @@ def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None
     from ..distributed import inside_launch
     from ..home import run_dir
     from ..lifecycle.run import Run
-    from ..restarts import mark_starting
+    from ..owner.restarts import mark_starting
     from .crash import log_to_run
 
     log_to_run(run_id)  # nobody watches this process's stderr: a crash must reach the run's log
@@ -143,7 +143,7 @@ def worker(run_id: str, fresh: bool, threads: int | None, world_size: int | None
 
 
 def _job_world_size(run_id: str) -> int:
-    from ..jobfile import load_job
+    from ..lifecycle.jobfile import load_job
     from ..home import run_dir
     from ..lifecycle.prepare import JOB_FILE
 

@@ -53,7 +53,7 @@ def data_add(file: Path, name: str, license_: str, owner: str, no_train: bool, l
     Example: lodger data add corpus.jsonl --name corpus --license CC-BY-4.0 --owner alice \\
                --leave --target lab-ray
     """
-    from .. import datasets
+    from ..data import registry as datasets
 
     dataset, what = datasets.add(file, name=name, license=license_, owner=owner, may_train=not no_train,
                                  may_leave=leave, targets=targets, update=update, may_federate=federate)
@@ -72,7 +72,7 @@ def data_ls(as_json: bool) -> None:
 
     Example: lodger data ls
     """
-    from ..datasets import list_datasets
+    from ..data.registry import list_datasets
 
     found = list_datasets()
     if as_json:
@@ -100,7 +100,7 @@ def data_show(name: str, as_json: bool) -> None:
 
     Example: lodger data show corpus
     """
-    from ..datasets import get
+    from ..data.registry import get
     from ..ledger import Ledger
 
     dataset = get(name)
@@ -138,7 +138,7 @@ def data_grant(name: str, train: bool, leave: bool, federate: bool, targets: tup
     Example: lodger data grant corpus --leave --target lab-ray
              lodger data grant clinic-notes --federate
     """
-    from ..datasets import grant
+    from ..data.registry import grant
 
     dataset, changed = grant(name, train=train, leave=leave, targets=targets, federate=federate)
     click.echo(f"{'granted' if changed else 'no change'}: {name} {_permissions(dataset)}")
@@ -152,7 +152,7 @@ def data_revoke(name: str, train: bool, leave: bool, federate: bool, targets: tu
 
     Example: lodger data revoke corpus --target lab-ray
     """
-    from ..datasets import revoke
+    from ..data.registry import revoke
 
     dataset, changed = revoke(name, train=train, leave=leave, targets=targets, federate=federate)
     click.echo(f"{'revoked' if changed else 'no change'}: {name} {_permissions(dataset)}")

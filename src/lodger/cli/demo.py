@@ -35,7 +35,7 @@ CONVERT_SECONDS_PER_MIB = 0.2  # the GGUF conversion (17 s for SmolLM2's 94 MiB,
 
 def _demo_job(folder: Path, plan: dict, threads: int, model: str) -> Path:
     from .. import durable
-    from ..tomlfile import to_toml
+    from ..config.tomlfile import to_toml
 
     data = resources.files("lodger") / "demo"
     job = {
@@ -74,7 +74,7 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
     """
     from .. import durable
     from ..home import home
-    from ..report import Phase
+    from ..reporting.report import Phase
 
     began = time.monotonic()
     if Path(model).expanduser().exists():  # the job file lives elsewhere: a path must not depend on the cwd
@@ -91,7 +91,7 @@ def demo(long_demo: bool, steps: int | None, threads: int | None, model: str) ->
                f"{plan_threads(threads)}{why}; job file {job_path}")
     first_use = _prepare_model(model)
     with Phase("measuring the training runtime's memory (first use: a fresh process imports torch)"):
-        from ..memory import runtime_bytes
+        from ..memory.estimate import runtime_bytes
 
         runtime_bytes(threads=threads, use_current=False)  # cached; create_run's pre-flight reads it
     with Phase("checking and tokenising the data, estimating the memory"):
@@ -133,7 +133,7 @@ def _lower_priority(job_path: Path) -> int:
     (they keep the priority they are started with): training lowers it anyway, so the forecast's
     benchmark measures what the run will get, and converting the model is as kind to the
     machine's other work as training is. Returns the nice value in force."""
-    from ..jobfile import load_job
+    from ..lifecycle.jobfile import load_job
 
     nice = load_job(job_path).limits.nice
     try:
@@ -145,7 +145,7 @@ def _lower_priority(job_path: Path) -> int:
 
 
 def plan_threads(threads: int) -> str:
-    from ..report import plural
+    from ..reporting.report import plural
 
     return plural(threads, "thread")
 
@@ -154,7 +154,7 @@ def _prepare_model(model: str) -> float:
     """Convert a GGUF model on its first use, saying so; the seconds it took (0: nothing to do)."""
     from ..home import cache_dir
     from ..model import model_folder, preparation_notice, resolve_source
-    from ..report import Phase
+    from ..reporting.report import Phase
 
     source = resolve_source(model)
     if preparation_notice(source) is None:
@@ -170,7 +170,7 @@ def _prepare_model(model: str) -> float:
 def _forecast(prepared, rate: dict, answers: int) -> dict[str, float]:
     """Seconds each part of the demo should take here: the estimator's step time at the matmul
     rate just measured, and the evals, answers and fixed costs in proportion (see the constants)."""
-    from ..memory import estimate_time
+    from ..memory.estimate import estimate_time
     from .estimate import batch_shapes
 
     job = prepared.job
@@ -185,8 +185,8 @@ def _forecast(prepared, rate: dict, answers: int) -> dict[str, float]:
 
 
 def _forecast_text(forecast: dict[str, float], rate: dict, first_use: float, threads: int, nice: int) -> str:
-    from ..report import clock
-    from ..runview import rate_conditions
+    from ..reporting.report import clock
+    from ..lifecycle.runview import rate_conditions
 
     parts = ", ".join(f"{name} {clock(seconds)}" for name, seconds in forecast.items())
     done = f" (after the {first_use:.0f} s of converting the model)" if first_use else ""
@@ -205,8 +205,8 @@ def _train_and_show(demo_run: Run, prompts: list[str], threads: int, job_path: P
                     expected: float) -> None:
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..report import clock
-    from ..report import Phase
+    from ..reporting.report import clock
+    from ..reporting.report import Phase
 
     run_id, prepared = demo_run.run_id, demo_run.prepared
     # ends when the run's own live line starts (report.hand_over): loading, the attention probe
@@ -258,7 +258,7 @@ def next_steps(run_id: str, job_path: Path) -> str:
 
 def _answers(folder: Path, adapter: Path, prompts: list[str], threads: int) -> tuple[list[str], list[str]]:
     """Greedy answers without and with the adapter, loaded with plain peft."""
-    from ..report import Phase
+    from ..reporting.report import Phase
 
     with Phase(f"answering {len(prompts)} held-out prompts without and with the adapter", after=0.0) as phase:
         import torch

@@ -59,7 +59,7 @@ def batch_shapes(cfg, prepared, micro_batches: int = 512) -> tuple[int, float, f
     or packed into rows as the run lays them out). Widths are per example slot (a micro-batch's
     positions over batch_size), the shape the estimate counts in: a packed micro-batch of one row
     computes what batch_size rows would."""
-    from ..packing import example_lengths
+    from ..data.packing import example_lengths
 
     lengths = example_lengths(prepared.train_set)
     planner, batch = prepared.planner, cfg.training.batch_size
@@ -98,8 +98,8 @@ def estimate(job: Path, measure: bool, as_json: bool) -> None:
 
     Example: lodger estimate my-job.toml --measure
     """
-    from .. import memory
-    from ..jobfile import load_job
+    from ..memory import estimate as memory
+    from ..lifecycle.jobfile import load_job
     from ..lifecycle.prepare import prepare
 
     cfg = load_job(job)
@@ -151,7 +151,7 @@ def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fi
     from rich.console import Console
     from rich.table import Table
 
-    from .. import memory
+    from ..memory import estimate as memory
 
     console = Console(highlight=False)
     shape = memory.model_shape(model_config)
@@ -193,7 +193,7 @@ def _print(path, cfg, est, model_config, rate, total_steps, available, limit, fi
 
 
 def _batch_text(cfg, est) -> str:
-    from .. import memory
+    from ..memory import estimate as memory
 
     if cfg.method.objective == "grpo":
         return f"{est.batch_size} prompts x {cfg.grpo.num_generations} completions"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-DEFAULT_TASKS = "lodger_demo"  # lodger.evalharness.DEFAULT_TASKS, repeated so --help imports nothing
+DEFAULT_TASKS = "lodger_demo"  # lodger.evaluation.harness.DEFAULT_TASKS, repeated so --help imports nothing
 
 
 @click.command(name="eval")
@@ -49,7 +49,7 @@ def evaluate(run_id: str, task_names: str, include: tuple[Path, ...], limit: int
     Example: lodger eval my-job-20261129-101500-ab12
     Example: lodger eval my-job-20261129-101500-ab12 --tasks arc_easy --limit 200 --checkpoint 120
     """
-    from ..evalrun import evaluate_run
+    from ..evaluation.run import evaluate_run
 
     names = [n.strip() for n in task_names.split(",") if n.strip()]
     if not names:
@@ -71,7 +71,7 @@ def evaluate(run_id: str, task_names: str, include: tuple[Path, ...], limit: int
 
 
 def _print_table(outcome) -> None:
-    from ..evalharness import metric_text
+    from ..evaluation.harness import metric_text
 
     labels = list(outcome.scores)
     if not labels:
@@ -97,7 +97,7 @@ def score_rows(scored: dict[str, dict]) -> list[tuple[str, str, dict]]:
 
 def summary(data: dict) -> str:
     """One line of a `harness_eval` event for `lodger show`: the model, the harness, each task's first metric."""
-    from ..evalharness import metric_text
+    from ..evaluation.harness import metric_text
 
     tasks = []
     for task, row in sorted((data.get("tasks") or {}).items()):

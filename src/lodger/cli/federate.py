@@ -169,7 +169,7 @@ def _client_id(given: str | None, job: Path, dataset: str | None) -> str:
     import re
     import socket
 
-    from ..datasets import NAME_PATTERN  # the same rule as messages.CLIENT_ID (which imports flwr)
+    from ..data.registry import NAME_PATTERN  # the same rule as messages.CLIENT_ID (which imports flwr)
 
     if given is not None:
         if not NAME_PATTERN.match(given):

@@ -33,10 +33,10 @@ def plan(job: Path, memory_text: str | None, out: Path | None, pick: int, shown:
 
     Example: lodger plan my-job.toml --memory 16GiB --out my-job-16g.toml
     """
-    from .. import memory
-    from .. import plan as planner
+    from ..memory import estimate as memory
+    from ..memory import plan as planner
     from ..errors import JobFileError
-    from ..jobfile import load_job
+    from ..lifecycle.jobfile import load_job
     from ..lifecycle.prepare import prepare
     from .estimate import batch_shapes
 

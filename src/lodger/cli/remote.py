@@ -31,7 +31,7 @@ def _duration(seconds: float) -> str:
 
 def _print_plan(plan) -> None:
     """Plain lines, never cut to the terminal's width: every path and hash is shown whole."""
-    from ..gate import LIMITS, caps
+    from ..remote.gate import LIMITS, caps
 
     target = plan.target
     echo = click.echo
@@ -103,7 +103,7 @@ def submit(job: Path, target_name: str | None, approve: bool, as_json: bool, fed
         return submit_federated(job, server, approve, as_json, insecure)
     if not target_name:
         raise click.UsageError("--target T is needed (a target from `lodger target ls`), or --federated --server S")
-    from .. import gate
+    from ..remote import gate
     from ..errors import GateRefused
 
     try:
@@ -182,7 +182,7 @@ def target_add(name: str, replace: bool, **settings) -> None:
                --gpus-per-node 8 --memory-gb-per-node 640 --gpu-hours 16 --wall-hours 4 \\
                --cost-per-gpu-hour 2.5 --budget 50 --nodes 2 --tflops 300
     """
-    from ..targets import add_target
+    from ..remote.targets import add_target
 
     added = add_target(name, settings, replace=replace)
     click.echo(f"target {name}: {added.kind} at {added.address}")
@@ -195,7 +195,7 @@ def target_ls(as_json: bool) -> None:
 
     Example: lodger target ls
     """
-    from ..targets import load_targets
+    from ..remote.targets import load_targets
 
     targets = load_targets()
     if as_json:
@@ -221,7 +221,7 @@ def target_rm(name: str) -> None:
 
     Example: lodger target rm lab-ray
     """
-    from ..targets import remove_target
+    from ..remote.targets import remove_target
 
     removed = remove_target(name)
     click.echo(f"removed target {name} ({removed.address})")

@@ -65,7 +65,7 @@ def cancel(run_id: str) -> None:
 
     Example: lodger cancel my-job-20261129-101500-ab12
     """
-    from ..executors import executor_for
+    from ..remote.executors import executor_for
     from ..ledger import Ledger
 
     with Ledger() as ledger:
@@ -79,7 +79,7 @@ def cancel(run_id: str) -> None:
 @click.argument("job", type=click.Path(dir_okay=False, path_type=Path))
 def remote_worker(run_id: str, job: Path) -> None:
     """Train RUN inside a Ray job (LODGER_HOME is the run's home in storage): start or resume it."""
-    from ..jobfile import load_job
+    from ..lifecycle.jobfile import load_job
     from ..remote import raytrain
     from ..remote.worker import start
     from .crash import log_to_run

@@ -1,4 +1,4 @@
-"""`lodger report`: a run's numbers into TensorBoard, MLflow or Trackio (trackers.py)."""
+"""`lodger report`: a run's numbers into TensorBoard, MLflow or Trackio (reporting/trackers.py)."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def report(run_id: str, to: str, folder: Path | None, mlflow_uri: str | None, fo
     """
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..runlock import is_locked
-    from ..trackers import export
+    from ..owner.runlock import is_locked
+    from ..reporting.trackers import export
 
     trackers = [t.strip() for t in to.split(",") if t.strip()]
     with Ledger() as ledger:

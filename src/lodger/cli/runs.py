@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..errors import LodgerError
-from ..runview import live_status
+from ..lifecycle.runview import live_status
 
 
 def _human(value):
@@ -64,7 +64,7 @@ def ls(as_json: bool) -> None:
     """
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..runview import loss_text, progress, step_text, table
+    from ..lifecycle.runview import loss_text, progress, step_text, table
 
     with Ledger() as ledger:
         runs, stale = refresh_remote(ledger, ledger.runs(), only_active=True)
@@ -120,7 +120,7 @@ def show(run_id: str, as_json: bool, against: Path | None) -> None:
     run["status"] = live_status(run)
     folder = run_dir(run["id"])
     checkpoints = sorted(p.name for p in (folder / "checkpoints").glob("step-*")) if folder.exists() else []
-    from ..runview import loss_text, progress
+    from ..lifecycle.runview import loss_text, progress
 
     now = progress(run, folder)
     info = {"run": run, "progress": now, "folder": str(folder), "checkpoints": checkpoints,
@@ -177,7 +177,7 @@ def _print_memory(events: list[dict]) -> None:
                    f"(largest: {estimate['largest']}){measured}{' [forced past pre-flight]' if estimate['forced'] else ''}")
     rate = next((e["data"] for e in reversed(events) if e["kind"] == "matmul_rate"), None)
     if rate:  # what the step lines' MFU divides by
-        from ..runview import rate_text
+        from ..lifecycle.runview import rate_text
 
         click.echo(f"mfu peak  {rate_text(rate)}")
     interval = next((e["data"] for e in reversed(events) if e["kind"] == "checkpoint_interval"), None)
@@ -202,7 +202,7 @@ def _print_events(events: list[dict]) -> None:
 
 def _print_evals(now: dict, info: dict) -> None:
     """The last eval's loss and, for a preference run, its metrics at the last step and eval."""
-    from ..runview import loss_text
+    from ..lifecycle.runview import loss_text
 
     if now["eval_step"] is not None or info["last_eval"]:
         step, loss = (now["eval_step"], now["eval_loss"]) if now["eval_step"] is not None else \
@@ -289,9 +289,9 @@ def logs(run_id: str, follow: bool, from_ray: bool) -> None:
 
     Example: lodger logs my-job-20261129-101500-ab12 -f
     """
-    from ..executors import executor_for
+    from ..remote.executors import executor_for
     from ..ledger import Ledger
-    from ..runlock import is_locked
+    from ..owner.runlock import is_locked
 
     with Ledger() as ledger:
         run = ledger.find_run(run_id)
@@ -344,7 +344,7 @@ def audit(witness: Path | None, against: Path | None, sign_key: Path | None, pub
     """
     from ..ledger import Ledger
     from ..ledger.witness import append_witness, check_against
-    from ..targets import load_targets
+    from ..remote.targets import load_targets
 
     if sign_key and not witness:
         raise LodgerError("--sign-key signs the head --witness writes; add --witness FILE")

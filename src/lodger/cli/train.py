@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..ledger import Ledger
     from ..lifecycle.prepare import Prepared
     from ..lifecycle.run import Run
-    from ..report import Phase
+    from ..reporting.report import Phase
 
 
 @click.command()
@@ -43,7 +43,7 @@ def init(file: Path, force: bool, remote: bool, objective: str) -> None:
              lodger init dpo-job.toml --objective dpo
              lodger init grpo-job.toml --objective grpo
     """
-    from ..jobfile import example_job
+    from ..lifecycle.jobfile import example_job
 
     if file.exists() and not force:
         raise JobFileError(f"{file} already exists; pick another name or pass --force to overwrite it")
@@ -99,9 +99,9 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
     Example: lodger run my-job.toml
              lodger run my-job.toml --detach
     """
-    from ..jobfile import load_job
+    from ..lifecycle.jobfile import load_job
     from ..lifecycle.run import Run
-    from ..report import Phase
+    from ..reporting.report import Phase
 
     started = time.monotonic()
     announced = announce_first_use(load_job(job), quiet)
@@ -123,7 +123,7 @@ def run(job: Path, threads: int | None, quiet: bool, detach: bool, force: bool) 
 def _starting(prepared: Prepared, quiet: bool, what: str = "loading the model and starting the run") -> Phase:
     """A phase that lasts until the run's own lines start (report.hand_over); one process only:
     with several, the run's lines come from another process."""
-    from ..report import Phase
+    from ..reporting.report import Phase
 
     return Phase(what, quiet=quiet or prepared.job.training.world_size > 1)
 
@@ -191,10 +191,10 @@ def resume(run_id: str, threads: int | None, world_size: int | None, quiet: bool
 
     Example: lodger resume my-job-20261129-101500-ab12 --detach
     """
-    from ..control import clear_request
-    from ..executors import executor_for
+    from ..owner.control import clear_request
+    from ..remote.executors import executor_for
     from ..home import run_dir
-    from ..jobfile import load_job
+    from ..lifecycle.jobfile import load_job
     from ..ledger import Ledger
     from ..lifecycle.prepare import JOB_FILE
     from ..lifecycle.run import Run

@@ -1,7 +1,7 @@
 """The job file's typed, documented models, and how a problem in one is described.
 
 Defaults live here and only here. Reading a job file (user defaults, registered datasets, one
-``JobFileError`` listing every problem) is jobfile.py, which sits above the ledger; this module
+``JobFileError`` listing every problem) is lifecycle/jobfile.py, which sits above the ledger; this module
 imports nothing of lodger but errors, so anything may read a job's shape. One module per group of
 sections (model.py, training.py, owner.py, remote.py); this one joins them into the job.
 """
@@ -57,7 +57,7 @@ class JobConfig(Section):
     rewards: list[RewardConfig] = Field(default_factory=list)
     """[method] objective = "grpo" only: the reward functions, one [[rewards]] table each (at least one)."""
 
-    # What each data file is (lodger.datasets.DataUse: hash, registration), found at load time.
+    # What each data file is (lodger.data.registry.DataUse: hash, registration), found at load time.
     _data_uses: list = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
@@ -124,12 +124,12 @@ class JobConfig(Section):
         return self.model_dump(mode="json", exclude_none=True)
 
     def data_uses(self) -> list:
-        """The job's data files as ``lodger.datasets.DataUse`` (role, hash, registered dataset or
+        """The job's data files as ``lodger.data.registry.DataUse`` (role, hash, registered dataset or
         None), resolved when the job was loaded."""
         return list(self._data_uses)
 
     def attach_data_uses(self, uses: list) -> None:
-        """Set by the job loader (jobfile.py) once the data files are resolved."""
+        """Set by the job loader (lifecycle/jobfile.py) once the data files are resolved."""
         self._data_uses = list(uses)
 
 
@@ -229,7 +229,7 @@ def cross_checks(raw: dict[str, Any], base_dir: Path) -> list[str]:
         data = {}
     for key in ("train", "eval"):
         if isinstance(data.get(key), str) and data[key].startswith(DATASET_PREFIX):
-            continue  # resolved through the registry (jobfile.py)
+            continue  # resolved through the registry (lifecycle/jobfile.py)
         if isinstance(data.get(key), str) and not (base_dir / data[key]).is_file():
             path = base_dir / data[key]
             if path.exists():  # a FIFO would block the read forever, a device never end
@@ -273,7 +273,7 @@ def total_steps(job: JobConfig, n_train: int) -> int:
 
 def epoch_steps(examples: float, n_train: int, per_step: int) -> int:
     """Steps that draw ``examples`` sampler positions when a step takes ``per_step`` of them and
-    ends early at the end of each epoch of ``n_train`` (packing.py): whole epochs, then the rest."""
+    ends early at the end of each epoch of ``n_train`` (data/packing.py): whole epochs, then the rest."""
     full, rest = divmod(examples, n_train)
     rest = round(rest, 6)  # 0.3 x 10 is 3.0000000000000004 positions, not 4 steps of 1
     return max(1, int(full) * math.ceil(n_train / per_step) + math.ceil(rest / per_step))

@@ -1,4 +1,4 @@
-"""[report]: the trackers a run's numbers go to while it trains (trackers.py, report_feed.py)."""
+"""[report]: the trackers a run's numbers go to while it trains (reporting/trackers.py, reporting/feed.py)."""
 
 from __future__ import annotations
 

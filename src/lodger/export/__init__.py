@@ -89,7 +89,7 @@ def export_run(run_id: str, dest: Path, formats: list[str] | None = None, outtyp
     """Export ``run_id`` into the new folder ``dest``; returns the manifest. ``base_mode`` (peft):
     "ship" the base's weights in the adapter's ``base/``, "name" where they are, or "auto" (ship a
     GGUF base, name others)."""
-    from ..compare import final_weights
+    from ..reporting.compare import final_weights
     from ..home import refuse_links_out, run_dir
     from ..ledger import Ledger
     from .base import describe_base
@@ -232,7 +232,7 @@ def chat_template(folder: Path) -> str | None:
 
 def _write_record(src: Source, tmp: Path, gguf_info: dict | None, template_sha256: str | None) -> dict[str, dict]:
     """The run's record and the card, which lists every other file's hash; returns those hashes."""
-    from ..compare import total_compute
+    from ..reporting.compare import total_compute
     from .card import model_card
     from .manifest import file_hashes
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import durable
 from ..config import DATASET_PREFIX, read_toml
-from ..tomlfile import to_toml
+from ..config.tomlfile import to_toml
 from ..errors import FederatedError
 from .aggregate import tensors_bytes, tensors_sha256
 from .node import IMPORTED, PENDING, SEALED, SECURED, STAGES, client_job, record_round, round_timings  # noqa: F401,E501
@@ -107,7 +107,7 @@ def run_round(job_path: Path, dataset: str, order: RoundOrder, interrupted: str 
     from ..home import private_mkdir, run_dir
     from ..ledger import Ledger
     from ..lifecycle.run import Run
-    from ..runlock import is_locked
+    from ..owner.runlock import is_locked
 
     from ..faults import in_round
 
@@ -153,7 +153,7 @@ def settle_abandoned(job_id: str, now_round: int) -> list[str]:
     still holds is left alone. Returns the runs marked."""
     from ..home import run_dir
     from ..ledger import Ledger
-    from ..runlock import is_locked
+    from ..owner.runlock import is_locked
 
     marked = []
     folder = _client_folder(job_id)
@@ -226,7 +226,7 @@ def noise_secret(job_id: str) -> bytes:
 def check_client(client_id: str, dataset: str) -> dict:
     """The client's id is a plain name and its dataset is registered for federated use; returns the
     dataset's registration (recorded with every round)."""
-    from ..datasets import get
+    from ..data.registry import get
 
     if not CLIENT_ID.match(client_id or ""):
         raise FederatedError(f"node config client-id = {client_id!r}: use letters, digits, '_', '.', '-'")

@@ -63,7 +63,7 @@ def _central_steps(evals: list[dict], steps: int) -> tuple[int, float] | None:
 def compare_federated(job_id: str, central_run: str) -> FederatedComparison:
     """Evaluate every committed round of ``job_id`` on ``central_run``'s eval set; set each against
     the centralized run's eval loss at the same number of optimizer steps."""
-    from .. import jobfile
+    from ..lifecycle import jobfile
     from ..home import run_dir
     from ..ledger import Ledger
     from .rounds import RoundStore
@@ -111,7 +111,7 @@ class Evaluator:
     def __call__(self, tensors: dict) -> float:
         import torch
 
-        from ..data import collate
+        from ..data.chats import collate
         from ..model import load_trainable_state
         from ..train.step import token_loss_sum
 

@@ -19,7 +19,7 @@ declared limit would be passed by one more round: [federated] rounds, [remote] w
 the owner approved, [limits] max_compute_hours of CPU over the rounds taken.
 
 Participation is keyed by the job's name and the dataset (``participation_id``); its control
-folder (``participation_dir``) takes the same request files as a run's (control.py). No torch,
+folder (``participation_dir``) takes the same request files as a run's (owner/control.py). No torch,
 no flwr: `lodger status` reads the summary.
 """
 
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from .. import durable
-from ..control import clear_request, effective, read_requests, write_request
+from ..owner.control import clear_request, effective, read_requests, write_request
 from ..errors import FederationRefused, LodgerError
 
 APPROVED, DECLINED, TAKEN, PERMISSION, HELD = ("federate_approved", "federated_round_declined",
@@ -65,7 +65,7 @@ def load_client_job(path: Path, dataset: str | None = None):
     `[data] train`, as the ClientApp's round jobs have it; otherwise as the file says. Defaults
     from $LODGER_HOME/config.toml apply as for `lodger run`; the data is resolved (hash, may_train)."""
     from ..config import USER_SECTIONS, DatasetPolicyConfig, read_toml
-    from ..jobfile import load_job, parse_job, user_defaults
+    from ..lifecycle.jobfile import load_job, parse_job, user_defaults
 
     if dataset is None:
         return load_job(path)
@@ -90,7 +90,7 @@ def permission_problems(job, ledger) -> list[str]:
 
     Reads the registry again (not the job's view at load), so a permission revoked since, or a
     table edited outside lodger, counts."""
-    from ..datasets import list_datasets
+    from ..data.registry import list_datasets
 
     try:
         registry = {d.name: d for d in list_datasets(ledger)}
@@ -154,7 +154,7 @@ def held_reason(home: Path, job, dataset) -> str | None:
 
 # -- the verdict ------------------------------------------------------------------------------
 def _policy_reasons(job) -> list[str]:
-    from ..machine import Sampler, violations
+    from ..owner.machine import Sampler, violations
 
     policy = job.policy
     if not policy.enabled:
@@ -175,7 +175,7 @@ def taken_rounds(ledger, job, dataset) -> list[dict]:
     """Rounds this machine trained for this participation since the owner approved it: recorded
     by ``round_taken`` or by the ClientApp's `federated_client_round` (its round's run then says
     the wall and CPU seconds); one row per round run."""
-    from ..compare import total_compute
+    from ..reporting.compare import total_compute
 
     participation, name = participation_id(job, dataset), _name(dataset)
     since, _ = _since_approval(ledger, participation)

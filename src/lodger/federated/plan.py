@@ -13,7 +13,7 @@ parameters are ones Flower's SecAgg+ runs and a sum hides one update (secagg.pro
 client, every data file is a registered dataset that may federate (owner.py); plain-text
 transport only on loopback. Checking writes nothing; ``record`` puts the verdict in the ledger.
 
-No torch, no flwr: shapes come from the model's config.json (memory_model.py's arithmetic).
+No torch, no flwr: shapes come from the model's config.json (memory/model.py's arithmetic).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class FederatedPlan:
 
 def adapter_tensors(job, model_config: dict) -> list[Tensor]:
     """The adapter's tensors in peft's naming, in the order peft saves them (layer, module, A then B)."""
-    from ..memory_model import model_shape
+    from ..memory.model import model_shape
 
     shape = model_shape(model_config)
     rank, tensors = job.method.rank, []

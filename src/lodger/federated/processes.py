@@ -289,7 +289,7 @@ def stop_stale_run(home: Path, run_config: Mapping[str, object]) -> int | None:
     for its clients. Which run: the newest one whose ServerApp started this job (its
     `federated_server_started` event in the job's ledger), and only while no ServerApp holds the
     job's lock, so a live server is never stopped. The stop is recorded with its reason."""
-    from ..runlock import is_locked
+    from ..owner.runlock import is_locked
     from .rounds import job_folder
 
     root, job_id = Path(str(run_config.get("lodger-home") or "")), str(run_config.get("job-id") or "")

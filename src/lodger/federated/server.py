@@ -214,7 +214,7 @@ def take_job(folder: Path, patience: float = 120.0):
     moments (until it notices its parent is gone); wait for it, bounded, rather than race it."""
     from ..errors import RunStateError
     from ..home import private_mkdir
-    from ..runlock import RunLock
+    from ..owner.runlock import RunLock
 
     private_mkdir(folder)
     deadline = time.monotonic() + patience

@@ -11,19 +11,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import durable
-from ..compare import segment_compute
-from ..control import Control, clear_request
+from ..reporting.compare import segment_compute
+from ..owner.control import Control, clear_request
 from ..distributed import Ranks
 from ..errors import DiskFull, LimitReached, RunStateError
 from ..home import run_dir
 from ..ledger import Ledger
-from ..recovery import complete_ledger
-from ..report import plural
-from ..runlock import RunLock
+from ..train.recovery import complete_ledger
+from ..reporting.report import plural
+from ..owner.runlock import RunLock
 from .prepare import Prepared
 
 if TYPE_CHECKING:
-    from ..report import Reporter
+    from ..reporting.report import Reporter
     from .session import Session
 
 Taken = tuple[Control, RunLock]
@@ -65,7 +65,7 @@ def execute(run_id: str, prepared: Prepared, *, resuming: bool, quiet: bool = Fa
 
 def _execute_quiet_rank(run_id: str, prepared: Prepared, *, resuming: bool, ranks: Ranks) -> str:
     """A rank other than 0: the same training, no lock, no ledger, no files; rank 0 speaks for the run."""
-    from ..report import Reporter
+    from ..reporting.report import Reporter
     from ..train.loop import train
     from .session import Session
 
@@ -122,7 +122,7 @@ def _session(run_id: str, prepared: Prepared, ledger: Ledger, control: Control, 
     """The run's Session, its log opened once the model is loaded. A failure while building it
     (out of memory while loading, say) is recorded, not silently left "created"; a refusal
     (RunStateError: another process took the run meanwhile) records nothing."""
-    from ..report import Reporter
+    from ..reporting.report import Reporter
     from .session import Session
 
     opened: list[Reporter] = []

@@ -9,7 +9,7 @@ import sys
 import time
 
 from .. import durable
-from ..control import run_state
+from ..owner.control import run_state
 from ..errors import LodgerError
 from ..home import run_dir
 
@@ -47,7 +47,7 @@ def wait_until_running(run_id: str, process: subprocess.Popen[bytes], timeout: f
 def wait_until_taken(run_id: str, process: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
     """Return once the worker holds the run's lock (it then answers pause requests), in about
     the time a Python interpreter takes to start; raise with its output if it died first."""
-    from ..runlock import is_locked, lock_pid
+    from ..owner.runlock import is_locked, lock_pid
 
     folder = run_dir(run_id)
     deadline = time.monotonic() + timeout

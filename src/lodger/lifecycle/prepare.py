@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any, Callable, cast
 
 from ..config import JobConfig
-from ..data import DataFile, TokenizedSet, make_sampler, read_jsonl, split_indices, tokenize
+from ..data.chats import DataFile, TokenizedSet, make_sampler, read_jsonl, split_indices, tokenize
 from ..errors import PreflightError, RunStateError
 from ..home import refuse_links_out, run_dir
-from ..jobfile import load_job
+from .jobfile import load_job
 from ..model import ModelSource, check_target_modules, model_folder, resolve_source, tokenizer_hash
-from ..packing import example_lengths, make_planner
-from ..preference import row_checker, tokenize_preference
+from ..data.packing import example_lengths, make_planner
+from ..data.preference import row_checker, tokenize_preference
 
 JOB_FILE = "job.toml"
 
@@ -54,8 +54,8 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
     objective = job.method.objective
     check: Callable[..., Any] | None = None
     encode: Callable[..., Any] = tokenize
-    if objective == "grpo":  # prompt lines (prompts.py); every reward function loaded once, before anything is written
-        from ..prompts import check_row, tokenize_prompts
+    if objective == "grpo":  # prompt lines (data/prompts.py); every reward function loaded once, before anything is written
+        from ..data.prompts import check_row, tokenize_prompts
         from ..rewards import Rewards
 
         check, encode = check_row, tokenize_prompts
@@ -64,7 +64,7 @@ def prepare(job: JobConfig, device: str | None = None) -> Prepared:
             rewards.check()
         finally:
             rewards.close()
-    elif objective != "sft":  # preference lines (preference.py): their own shape and tokenisation
+    elif objective != "sft":  # preference lines (data/preference.py): their own shape and tokenisation
         check = row_checker(objective)
         encode = partial(tokenize_preference, objective=objective, kl_block=job.training.batch_size)
     train_file = read_jsonl(job.data.train, check)
@@ -136,7 +136,7 @@ def prepare_job(path: Path, *, threads: int | None = None, world_size: int | Non
 
 def preflight(prepared: Prepared, force: bool = False) -> dict[str, Any]:
     """Estimate peak memory; refuse (before anything is written) a job that will not fit."""
-    from ..memory import estimate, memory_available, reference_examples, runtime_bytes, suggestions
+    from ..memory.estimate import estimate, memory_available, reference_examples, runtime_bytes, suggestions
 
     job = prepared.job
     config = json.loads((prepared.folder / "config.json").read_text())

@@ -19,8 +19,8 @@ from ..home import ledger_path, run_dir
 from ..ledger import Ledger
 from ..ledger.known import check_known
 from ..ledger.values import NewRun
-from ..restarts import mark_starting
-from ..tomlfile import to_toml
+from ..owner.restarts import mark_starting
+from ..config.tomlfile import to_toml
 from .execute import Taken, execute, take_run
 from .prepare import JOB_FILE, Prepared, preflight, prepare_job, resume_prepared
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import durable, faults
 from ..config import job_hash
-from ..control import Control
+from ..owner.control import Control
 from ..distributed import Ranks
 from ..home import run_dir
 from ..ledger import provenance as prov
@@ -32,7 +32,7 @@ from .prepare import Prepared
 
 if TYPE_CHECKING:
     from ..ledger import Ledger
-    from ..report import Reporter
+    from ..reporting.report import Reporter
     from ..train.collaborators import Objective
 
 OpenLog = Callable[[], "Reporter"]  # opens the run's log and takes the terminal from the phase before
@@ -45,7 +45,7 @@ def choose_attention(prepared: Prepared, model: Any) -> tuple[Any, str]:
     "unpacked". A probe of the real model on its device (packing.attention_mode);
     ``packing = "auto"`` falls back to unpacked batches when nothing keeps examples apart."""
     from ..errors import JobFileError
-    from ..packing import attention_mode, make_planner
+    from ..data.packing import attention_mode, make_planner
     from ..train.attention import SEGMENTS, set_attention
 
     planner, training = prepared.planner, prepared.job.training
@@ -250,12 +250,12 @@ class Session:
         data["eval_set_sha256"] = eval_id
         data["train_examples"], data["eval_examples"] = len(p.train_indices), len(p.eval_indices)
         # How examples were laid out: packed and unpacked steps hold the same examples, but sum the
-        # loss in another order (compare.py checks it). unpacked_padding is what "auto" decided on.
+        # loss in another order (reporting/compare.py checks it). unpacked_padding is what "auto" decided on.
         data["packing"] = {"setting": self.job.training.packing, "mode": self.packing_mode,
                            "pack_tokens": getattr(self.planner, "row_tokens", None) if self.planner.packed else None,
                            "unpacked_padding": None if self.planner.unpacked_padding is None
                            else round(self.planner.unpacked_padding, 4)}
-        data["order"] = self.job.training.order  # which examples share a step (compare.py checks it)
+        data["order"] = self.job.training.order  # which examples share a step (reporting/compare.py checks it)
         for use in self.job.data_uses():  # registered dataset (name, license, owner) or not
             if use.role in data:
                 data[use.role].update(use.provenance())

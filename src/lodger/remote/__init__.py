@@ -12,6 +12,11 @@ drives the run's backend (``backend.py``: the interface and the kinds; ``ray.py`
 ``submit``, ``status``, ``logs``, ``cancel``, ``pause`` and ``resume``. Importing it is cheap:
 an engine's library is imported only when that engine is asked something (status, ls, show and
 pause must stay light).
+
+Beside it: ``gate.py`` (what `lodger submit` checks before anything leaves the machine),
+``targets.py`` (named targets and the owner's caps) and ``executors.py`` (where a run lives, here
+or on a target, as one seam the commands use). The package sits above the run's life, which the
+worker starts; ``targets.py`` and ``backend.py`` import only the floor and sit low in the drawing.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def submit(plan) -> str:
     is the staging's commit), the local run is recorded with its target, and the job is submitted.
     A refused submission leaves the run recorded as failed, with the reason.
     """
-    from ..tomlfile import to_toml
+    from ..config.tomlfile import to_toml
     from ..home import run_dir
     from ..ledger import Ledger
     from ..lifecycle.prepare import JOB_FILE
@@ -134,7 +139,7 @@ def answered_state(run: dict, folder: Path, every: float = 1.0) -> dict:
     ``every`` seconds (one sync is a few small requests)."""
     import time
 
-    from ..control import run_state
+    from ..owner.control import run_state
 
     if not on_shared_folder(run):
         last = _synced_at.get(run["id"], 0.0)
@@ -165,7 +170,7 @@ def resume(ledger, run: dict) -> str:
     """Continue a remote run: a live one by clearing its pause requests, a stopped one by a new
     submission that resumes from the newest good checkpoint in storage. Returns what happened."""
     from ..config import JobConfig
-    from ..jobfile import load_job
+    from ..lifecycle.jobfile import load_job
     from .sync import staged_job, sync
 
     run = sync(ledger, run)  # refuses a job.toml changed in storage since submission

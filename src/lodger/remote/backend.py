@@ -6,7 +6,7 @@ it, and ``pause``/``resume`` it. Everything else (staging the files that leave, 
 home, the ledger) is backend-neutral and lives beside it in ``remote/``.
 
 Pause and resume default to the neutral mechanism every lodger run polls: a request file in the
-remote run folder in storage (``control.py``). A backend with native suspend may override them.
+remote run folder in storage (``owner/control.py``). A backend with native suspend may override them.
 
 To add a backend: a module with a ``Backend`` subclass, and one line in ``_BACKENDS``. Nothing
 here imports an engine's client library; ``get_backend`` imports the module when a run needs it.
@@ -75,7 +75,7 @@ class Backend:
     def pause(self, ledger, run: dict, mode: str, folder: Path) -> None:
         """Ask the run to release or hold: a request file in its storage folder, noticed by polling
         (and signalled too if its process verifiably runs on this machine)."""
-        from ..control import ask
+        from ..owner.control import ask
         from ..durable import make_dirs
 
         make_dirs(folder)  # the request must outlast a power cut, so must its folder's name
@@ -84,7 +84,7 @@ class Backend:
 
     def resume(self, run: dict, folder: Path) -> None:
         """Void earlier pause requests: a live run notices and continues (a stopped one is submitted again)."""
-        from ..control import clear_request
+        from ..owner.control import clear_request
 
         for requester in ("user", "agent"):  # the owner asked for it: earlier pause requests are void
             clear_request(folder, requester)

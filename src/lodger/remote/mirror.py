@@ -130,7 +130,7 @@ class Mirror:
             self.adapter_done = True
 
     def _pull_requests(self) -> None:
-        from ..control import control_dir, wake
+        from ..owner.control import control_dir, wake
 
         changed = False
         for requester in REQUESTERS:

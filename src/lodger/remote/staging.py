@@ -30,10 +30,10 @@ def local_python() -> str:
 
 def planned_steps(job) -> int:
     """Optimizer steps, counted here without a tokenizer: packed or not, a step holds batch_size x
-    grad_accum x world_size examples and ends early at each epoch's end (packing.py), so the
+    grad_accum x world_size examples and ends early at each epoch's end (data/packing.py), so the
     count depends on the number of examples only and equals what the remote run plans."""
     from ..config import total_steps
-    from ..data import read_jsonl, split_indices
+    from ..data.chats import read_jsonl, split_indices
 
     if job.training.steps is not None:
         return job.training.steps
@@ -47,7 +47,7 @@ def stage(plan, storage, run_id: str, head: dict | None = None):
     """Copy what leaves into ``<storage>/<run_id>/`` (a ``Storage``) and write the job that points
     at the copies, last; return that job and the sha256 of its job.toml."""
     from ..hashing import hash_file
-    from ..tomlfile import to_toml
+    from ..config.tomlfile import to_toml
 
     job = plan.job.model_copy(deep=True)
     run = storage.child(run_id)

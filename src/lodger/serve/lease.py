@@ -15,10 +15,10 @@ import tomllib
 
 from .. import durable
 from ..config import PolicyConfig
-from ..control import ask, clear_request, read_requests, wake, write_request
+from ..owner.control import ask, clear_request, read_requests, wake, write_request
 from ..home import run_dir
 from ..ledger import Ledger
-from ..runlock import is_locked
+from ..owner.runlock import is_locked
 
 LOG = logging.getLogger("lodger.serve")
 
@@ -152,7 +152,7 @@ class ServeClaim:
         import os
 
         from ..errors import RunStateError
-        from ..runlock import process_start
+        from ..owner.runlock import process_start
 
         fh = durable.open_file(run_dir(run_id) / SERVE_LOCK, "a+", encoding="utf-8")
         try:

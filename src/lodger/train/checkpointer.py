@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import durable
 from ..checkpoint import Checkpoint, CheckpointStore, step_folder
 from ..errors import CheckpointError
-from ..recovery import sync_metrics
+from .recovery import sync_metrics
 from .holders import Entries, RunFacts, StateHolder, file_problems, split_entries
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ class Checkpointer:
                  sync: Any, recorder: Recorder, ledger: RunRecords, meter: ComputeMeter, feed: Any = None):
         self.run_id, self.store, self.holders, self.facts = run_id, store, holders, facts
         self.sync, self.recorder, self.ledger, self.meter = sync, recorder, ledger, meter
-        self.feed = feed  # [report] to: the trackers, told of each commit (report_feed.py), or None
+        self.feed = feed  # [report] to: the trackers, told of each commit (reporting/feed.py), or None
 
     # -- saving ------------------------------------------------------------------------------
     def save(self, skip_if_exists: bool = False) -> Path:

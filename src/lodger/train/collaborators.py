@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from ..packing import PackedBatch, StepPlan
+    from ..data.packing import PackedBatch, StepPlan
     from .record import StepRecord
 
 
@@ -53,7 +53,7 @@ class Checkpointing(Protocol):
 
 
 class Reporting(Protocol):
-    """The step line's and the log's side of an eval (report.py)."""
+    """The step line's and the log's side of an eval (reporting/report.py)."""
 
     def eval_started(self, step: int, examples: int, batches: int) -> None: ...
 
@@ -76,7 +76,7 @@ class Recording(Protocol):
 
 
 class Controlling(Protocol):
-    """The run's answer to the owner (control.py): whether a release may drop the current step, and
+    """The run's answer to the owner (owner/control.py): whether a release may drop the current step, and
     how long the owner has held it."""
 
     in_step: bool
@@ -84,7 +84,7 @@ class Controlling(Protocol):
 
 
 class Planning(Protocol):
-    """Each step's micro-batches from its sampler position (packing.py)."""
+    """Each step's micro-batches from its sampler position (data/packing.py)."""
 
     def plan(self, position: int) -> "StepPlan": ...
 

@@ -32,8 +32,8 @@ from .rollout import Rollout, Sampling, advantages, layout, reward_inputs, sampl
 
 if TYPE_CHECKING:
     from ..config import GRPOConfig
-    from ..packing import StepPlan
-    from ..prompts import PromptSet
+    from ..data.packing import StepPlan
+    from ..data.prompts import PromptSet
     from ..rewards import Rewards
     from .precision import Precision
 
@@ -92,7 +92,7 @@ class GRPO:
 
     def __init__(self, grpo: GRPOConfig, rewards: Rewards, *, tokenizer: Any, dataset: Any, eval_set: Any,
                  precision: Precision, device: str, sync: Any, progress: Any, reference: Any = None):
-        # dataset, eval_set: PromptSets (prompts.py), held by the Session as its train and eval sets
+        # dataset, eval_set: PromptSets (data/prompts.py), held by the Session as its train and eval sets
         self.cfg, self.rewards, self.tokenizer = grpo, rewards, tokenizer
         self.dataset, self.eval_set = dataset, eval_set
         self.precision, self.device, self.sync, self.reference = precision, device, sync, reference

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..config import MethodConfig
-    from ..preference import PreferenceSet
+    from ..data.preference import PreferenceSet
     from .grpo import GRPO
     from .guard import Guard
     from .precision import Precision

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING, Any
 
-from ..control import Control, write_request
+from ..owner.control import Control, write_request
 
 if TYPE_CHECKING:
     from ..config import JobConfig, LimitsConfig, RemoteConfig
@@ -128,7 +128,7 @@ class LimitWatch:
         if self.memory_ceiling:
             import resource
 
-            from ..report import rss_bytes
+            from ..reporting.report import rss_bytes
 
             peak = max(rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
             if peak > self.memory_ceiling:

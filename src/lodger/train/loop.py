@@ -1,6 +1,6 @@
 """The training loop: one function, read top to bottom.
 
-Per optimizer step: the step's plan from its position (packing.py: packed rows or padded
+Per optimizer step: the step's plan from its position (data/packing.py: packed rows or padded
 micro-batches, a pure function of seed, epoch and position), learning rate, forward and backward
 of this process's share with the loss normalised over the whole step's target tokens, the
 synchroniser's ``finish_step``, clip, finite check, update, record, eval when due, checkpoint
@@ -10,7 +10,7 @@ when due or when asked to stop.
 (``collaborators.Collaborators``, one typed value): ``sync``
 (sync.py: one process, or several ranks, each taking its share of the step's plan and agreeing
 once per step), ``recorder`` (record.py), ``checkpointer`` (checkpointer.py) and ``control``
-(control.py: hold, release, stop).
+(owner/control.py: hold, release, stop).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import faults
-from ..control import ReleaseRequested
+from ..owner.control import ReleaseRequested
 from ..errors import StepFailed
-from ..packing import padded_batch
+from ..data.packing import padded_batch
 from ..rng import capture as capture_rng
 from ..rng import restore as restore_rng
 from .optim import lr_at
@@ -32,7 +32,7 @@ from .record import StepRecord
 from .step import install_yield_points, micro_step, optimizer_step  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
-    from ..packing import StepPlan
+    from ..data.packing import StepPlan
     from .collaborators import Checkpointing, Collaborators, Controlling, Recording, Synchronising
     from .state import TrainState
 

@@ -33,8 +33,8 @@ from .step import token_loss_sum
 
 if TYPE_CHECKING:
     from ..config import MethodConfig
-    from ..data import ExampleSet
-    from ..preference import PreferenceSet
+    from ..data.chats import ExampleSet
+    from ..data.preference import PreferenceSet
     from .collaborators import Objective
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .. import durable
 
 if TYPE_CHECKING:
-    from ..control import Control
+    from ..owner.control import Control
 
 
 class RunRecords(Protocol):

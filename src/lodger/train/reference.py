@@ -28,7 +28,7 @@ from ..home import cache_dir
 from .objective import sequence_logps
 
 if TYPE_CHECKING:
-    from ..preference import PreferenceSet
+    from ..data.preference import PreferenceSet
     from .precision import Precision
 
 # ``prepared`` below: the run's Prepared (what it trains on), typed where the run lifecycle defines it.
@@ -49,7 +49,7 @@ def compute(model: torch.nn.Module, dataset: PreferenceSet, *, batch_size: int, 
             pad_id: int) -> torch.Tensor:
     """[examples, 2] float32: each example's summed completion log-probabilities under ``model``
     (pairs: chosen, rejected; KTO: the completion, its KL sequence)."""
-    from ..packing import padded_batch
+    from ..data.packing import padded_batch
 
     out = torch.zeros((len(dataset), 2), dtype=torch.float32)
     was_training = model.training

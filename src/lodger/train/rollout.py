@@ -30,7 +30,7 @@ from ..faults import fault_point
 from ..rewards.builtin import text_of
 
 if TYPE_CHECKING:
-    from ..prompts import PromptSet
+    from ..data.prompts import PromptSet
     from .precision import Precision
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..checkpoint import CheckpointStore
 from ..ckpt_interval import interval_for
 from ..config import JobConfig
-from ..data import TokenizedSet
+from ..data.chats import TokenizedSet
 from ..distributed import Ranks
 from .determinism import configure_determinism
 from .holders import Progress
@@ -21,9 +21,9 @@ from .sync import DataParallelSync, LocalSync
 
 if TYPE_CHECKING:
     from ..config.model import MethodConfig
-    from ..control import Control
+    from ..owner.control import Control
     from ..ledger import Ledger
-    from ..report_feed import TrackerFeed
+    from ..reporting.feed import TrackerFeed
     from ..rewards import Rewards
     from .collaborators import Objective, Planning
 
@@ -35,7 +35,7 @@ class TrainState:
     """What the loop steps, and nothing that records, saves or synchronises (those are given to
     ``train`` apart). Keyword-only: its fields are many and alike. ``planner`` turns a sampler position into the
     step's micro-batches
-    (packing.py); ``progress``, the guard, the optimizer, the weights and the scaler are what a
+    (data/packing.py); ``progress``, the guard, the optimizer, the weights and the scaler are what a
     checkpoint holds (holders.py)."""
 
     training: Any            # the job's [training] section
@@ -111,11 +111,11 @@ def build_store(folder: Path, job: JobConfig, ranks: Ranks, sync: LocalSync | Da
 
 
 def build_feed(job: JobConfig, run_id: str, *, writes: bool) -> TrackerFeed | None:
-    """[report] to: the trackers told of each checkpoint's commit (report_feed.py), on the process
+    """[report] to: the trackers told of each checkpoint's commit (reporting/feed.py), on the process
     that records the run; None when there are none."""
     if not job.report.to or not writes:
         return None
-    from ..report_feed import TrackerFeed
+    from ..reporting.feed import TrackerFeed
 
     return TrackerFeed(run_id, job.report)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .loss import head_loss_sum, head_parts
 
 if TYPE_CHECKING:
-    from ..control import Control
+    from ..owner.control import Control
     from .collaborators import Objective
     from .precision import Precision
 
@@ -25,7 +25,7 @@ def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tu
     logits would copy them, the largest tensor of the step (batch x length x vocabulary). Where
     the model's head allows (loss.py), the logits are never made whole: only positions with a
     label go through the head, a chunk at a time."""
-    # A packed batch (packing.py) has position_ids and no attention_mask; without a KV cache
+    # A packed batch (data/packing.py) has position_ids and no attention_mask; without a KV cache
     # transformers reads the example boundaries from the restarting position ids.
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)

@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..ckpt_interval import interval_for
-from ..control import ReleaseRequested
+from ..owner.control import ReleaseRequested
 
 if TYPE_CHECKING:
     import torch
 
     from ..checkpoint import Checkpoint, CheckpointStore
-    from ..control import Control
+    from ..owner.control import Control
     from .limits import LimitWatch
 
 Check = Callable[["Checkpoint"], None]           # raises CheckpointError when a checkpoint cannot be restored

@@ -1,7 +1,7 @@
 """What a step's work was worth: model FLOPs per position, this machine's matmul rate, and MFU.
 
 One formula (``token_flops``) serves the step line's model FLOPs utilisation and `lodger
-estimate`'s time (memory_model.step_flops feeds it the numbers of config.json; a run feeds it the
+estimate`'s time (memory.model.step_flops feeds it the numbers of config.json; a run feeds it the
 numbers of the loaded model). The matmul rate is a 0.2 s benchmark, measured once per machine,
 thread count, precision and library version and cached under $LODGER_HOME/cache/matmul/ with the
 conditions it was measured in (the CPU share other processes took meanwhile, the load average):
@@ -41,7 +41,7 @@ def token_flops(matmul: float, trainable_matmul: float, attention_width: float, 
       to reach the adapters below), and the weights' gradients 2 x trainable_matmul.
     So 6N per token for full fine-tuning, 4N + 2R for LoRA (N matmul weights, R LoRA weights),
     plus 3A. Recomputation under gradient checkpointing is hardware work, not model FLOPs: MFU
-    leaves it out (memory_model.step_flops adds it to the time estimate)."""
+    leaves it out (memory.model.step_flops adds it to the time estimate)."""
     attention = 4.0 * context * attention_width
     return 4.0 * matmul + 2.0 * trainable_matmul + 3.0 * attention
 

@@ -15,7 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from ..control import request_continue, request_pause
+from ..owner.control import request_continue, request_pause
 from ..errors import LodgerError, RunStateError
 from ..home import run_dir
 from ..ledger import Ledger

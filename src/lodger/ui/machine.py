@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ..home import run_dir
 from ..ledger import Ledger
-from ..machine import Sampler, violations
-from ..runlock import holder
+from ..owner.machine import Sampler, violations
+from ..owner.runlock import holder
 
 DECISIONS = ("policy", "agent_resume", "restart_delayed", "gave_up", "agent_error", "pause_requested",
              "resume_requested", "held", "continued", "paused")
@@ -98,7 +98,7 @@ class MachineView:
         self.sampler, self.power = Sampler(), Power()
 
     def snapshot(self, ledger: Ledger) -> dict:
-        from ..agent import agent_pid
+        from ..owner.agent import agent_pid
         from .views import job_of
 
         runs = ledger.runs()

@@ -19,7 +19,7 @@ from ..checkpoint import CheckpointStore
 from ..errors import CheckpointError
 from ..home import run_dir
 from ..ledger import Ledger
-from ..runview import TAIL_BYTES, live_status, progress
+from ..lifecycle.runview import TAIL_BYTES, live_status, progress
 
 TIMELINE_HIDDEN = ("metrics",)  # one per checkpoint's metric rows: the curves show them
 _verified: dict[str, tuple[int, bool, str | None]] = {}  # checkpoint folder -> (manifest mtime, ok, problem)
@@ -154,7 +154,7 @@ def run_row(run: dict, held: dict[str, float]) -> dict:
 
 def runs_table(ledger: Ledger) -> dict:
     """Every run of the home (newest first), the queue and the agent: the page's main table."""
-    from ..agent import agent_pid
+    from ..owner.agent import agent_pid
 
     held = held_seconds(ledger)
     runs = sorted(ledger.runs(), key=lambda r: r["created"] or 0, reverse=True)
@@ -190,7 +190,7 @@ def run_detail(ledger: Ledger, run_id: str, against: Path | None = None) -> dict
 
 def compare_view(ids: list[str]) -> dict:
     """Each run against the first, with `lodger compare`'s verdict and where the losses part."""
-    from ..compare import compare_runs, loss_difference_text
+    from ..reporting.compare import compare_runs, loss_difference_text
 
     if len(ids) < 2:
         return {"pairs": []}

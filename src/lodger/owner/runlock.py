@@ -17,8 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from . import durable
-from .errors import RunStateError
+from .. import durable
+from ..errors import RunStateError
 
 LOCK = "lock"
 

@@ -38,13 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Protocol, Sequence, cast
 
-from .config import epoch_steps
-from .errors import JobFileError
+from ..config import epoch_steps
+from ..errors import JobFileError
 
 if TYPE_CHECKING:
     import torch
 
-    from .data import ExampleSet, Sampler
+    from .chats import ExampleSet, Sampler
 
 Row = tuple[int, ...]    # dataset indices
 Pack = tuple[Row, ...]   # one micro-batch
@@ -205,9 +205,9 @@ class CollatesItself(Protocol):
 
 
 def padded_batch(dataset, indices: Sequence[int], pad_id: int) -> "PackedBatch":
-    """These examples right-padded, one a row (a preference example: one sequence a row, preference.py;
-    GRPO's prompts: their indices, prompts.py)."""
-    from .data import collate
+    """These examples right-padded, one a row (a preference example: one sequence a row, data/preference.py;
+    GRPO's prompts: their indices, data/prompts.py)."""
+    from .chats import collate
 
     if getattr(dataset, "preference", False) or getattr(dataset, "prompts", False):
         return dataset.collate([(i,) for i in indices], pad_id, packed=False)

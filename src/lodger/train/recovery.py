@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from . import durable
+from .. import durable
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
+    from ..ledger import Ledger
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -53,7 +58,7 @@ def sync_metrics(folder: Path) -> None:
         durable.fsync_file(path)
 
 
-def complete_ledger(ledger, run_id: str, folder: Path, checkpoint) -> dict:
+def complete_ledger(ledger: Ledger, run_id: str, folder: Path, checkpoint: Checkpoint) -> dict[str, Any]:
     """Ingest the metric lines up to ``checkpoint.step`` that the ledger lacks, and record the
     checkpoint if the ledger never heard of it; one transaction. Returns what was added."""
     step = checkpoint.step
@@ -77,7 +82,7 @@ def complete_ledger(ledger, run_id: str, folder: Path, checkpoint) -> dict:
     return {"metrics": len(missing), "checkpoint": not known}
 
 
-def _checkpoint_recorded(ledger, run_id: str, checkpoint) -> bool:
+def _checkpoint_recorded(ledger: Ledger, run_id: str, checkpoint: Checkpoint) -> bool:
     """Whether a ``checkpoint`` event names this very folder: same step, written after its manifest
     (an older checkpoint of the same step, since moved aside as damaged, does not count)."""
     created = float(checkpoint.manifest.get("created") or 0.0)

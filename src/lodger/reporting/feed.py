@@ -1,5 +1,5 @@
 """Feeding a training run's trackers as it goes ([report] to): after each checkpoint the ledger
-committed, `lodger report RUN` runs in a process of its own (trackers.py reads the ledger and
+committed, `lodger report RUN` runs in a process of its own (reporting/trackers.py reads the ledger and
 writes each tracker), so the run never waits on a tracker nor stops for one. One export at a time:
 a commit that comes while one runs is sent by the next; ``close`` sends the last one and waits
 for it (bounded), so a finished run's trackers hold every step when `lodger run` returns."""

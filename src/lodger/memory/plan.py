@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import JobFileError, PlanRefused
+from ..errors import JobFileError, PlanRefused
 
 if TYPE_CHECKING:
-    from .config import JobConfig
-    from .memory import Estimate
+    from ..config import JobConfig
+    from .estimate import Estimate
 
 GiB = 2**30
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20, "mb": 10**6,
@@ -62,7 +62,7 @@ class Option:
 
 def apply(job: "JobConfig", changes: dict[str, dict[str, Any]]) -> "JobConfig":
     """A copy of ``job`` with some [section] keys changed, validated as a job file would be."""
-    from .config import JobConfig
+    from ..config import JobConfig
 
     data = job.model_dump(mode="python")
     for section, values in changes.items():
@@ -106,7 +106,7 @@ def plan(job: "JobConfig", model_config: dict, budget: int, *, longest: int, run
     """Every candidate estimated, those that fit first, ranked: no cut, then the fastest step (the
     same examples per step whatever the micro-batch), then the fewest changes and the smallest peak. ``longest``: the
     longest example's width (at most max_length), as `lodger estimate` takes it."""
-    from . import memory
+    from . import estimate as memory
 
     options = []
     for changes, cuts in candidates(job, longest):
@@ -137,9 +137,9 @@ def refuse_if_none_fits(options: list[Option], job: "JobConfig", budget: int) ->
 def write_job(original: Path, out: Path, changes: dict[str, dict[str, Any]]) -> Path:
     """The user's job file as written (user defaults not folded in) with ``changes`` applied, to
     ``out``; relative data paths are made absolute when ``out`` is in another folder."""
-    from . import durable
-    from .config import read_toml
-    from .tomlfile import to_toml
+    from .. import durable
+    from ..config import read_toml
+    from ..config.tomlfile import to_toml
 
     raw = read_toml(original, "job file")
     for section, values in changes.items():

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from . import durable
-from .errors import DataError
-from .home import cache_dir
+from .. import durable
+from ..errors import DataError
+from ..home import cache_dir
 
 FORMAT_VERSION = 1  # bump when tokenisation changes, so stale caches are not reused
 ROLES = ("system", "user", "assistant")

@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import ModelSourceError
-from .train.throughput import token_flops as flops_formula
+from ..errors import ModelSourceError
+from ..train.throughput import token_flops as flops_formula
 
 if TYPE_CHECKING:
-    from .config import JobConfig
-    from .train.precision import Mode
+    from ..config import JobConfig
+    from ..train.precision import Mode
 
 # Linear layers of a Llama-style decoder layer: name -> (in, out) as functions of the shape.
 _LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -209,7 +209,7 @@ def logits_bytes(shape: Shape, batch: int, seq: int, *, head_only: bool = False,
     and, when the head trains, its fp32 gradient."""
     if not head_only:
         return 12 * batch * seq * shape.vocab
-    from .train.loss import CHUNK_BYTES
+    from ..train.loss import CHUNK_BYTES
 
     chunk = min(CHUNK_BYTES + 4 * shape.vocab, 4 * batch * seq * shape.vocab)
     return 2 * chunk + 4 * batch * seq * shape.hidden + (4 * shape.vocab * shape.hidden if head_trains else 0)
@@ -218,7 +218,7 @@ def logits_bytes(shape: Shape, batch: int, seq: int, *, head_only: bool = False,
 def head_only_loss(model_config: dict, autocast: bool) -> bool:
     """Whether a run's loss takes the head on labelled positions only (train/loss.head_parts),
     from config.json: a model type whose logits are the head's output, no autocast."""
-    from .train.loss import HEAD_ONLY
+    from ..train.loss import HEAD_ONLY
 
     return not autocast and model_config.get("model_type") in HEAD_ONLY
 

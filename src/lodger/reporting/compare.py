@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .home import run_dir
-from .ledger import Ledger
-from .ledger.provenance import drift
+from ..home import run_dir
+from ..ledger import Ledger
+from ..ledger.provenance import drift
 
 IGNORED_JOB_KEYS = ("name",)  # naming a run differently does not change what it computes
 # A preference or GRPO run's metric fields per step (train/objective.py, train/grpo.py): compared
@@ -196,7 +196,7 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5, against: Path | None =
         c.preference = {run: _preference_series(rows) for run, rows in ((a, ma), (b, mb))}
         c.untrusted = [f"{p.where()}: {p.problem}" for p in ledger.run_problems([a, b])]
         if against is not None:
-            from .ledger.witness import unconfirmed
+            from ..ledger.witness import unconfirmed
 
             c.untrusted += unconfirmed(ledger, against, ea + eb)[1]
         c.evals = {a: [(m["step"], m["eval_loss"]) for m in ledger.metrics(a, "eval")],
@@ -257,7 +257,7 @@ def compare_runs(a: str, b: str, tolerance: float = 1e-5, against: Path | None =
 def base_differences(a: dict | None, b: dict | None) -> list[str]:
     """How two runs' frozen bases differ in precision ([method] base_bits; provenance's
     `model.quantisation`, absent for an fp32 base): the precision, else the quantised bytes."""
-    from .quant import describe
+    from ..quant import describe
 
     def said(q: dict | None) -> str:
         return describe(q.get("bits")) + f" {q.get('version')}" if q else "fp32"

@@ -6,7 +6,7 @@ yield, and holds or releases it (or lets it continue once every condition has be
 policy's ``clear_seconds``). It also restarts managed runs that died (a reboot, a kill), continues
 runs it paused itself, and starts queued jobs when there is room. Every decision is a ledger event
 with its reason and the measured values. The agent never imports torch. What it measures, and
-how a measurement becomes reasons to yield, is machine.py.
+how a measurement becomes reasons to yield, is owner/machine.py.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import tomllib
 import traceback
 from pathlib import Path
 
-from . import durable
+from .. import durable
 from .control import ask, clear_request, read_requests
-from .home import home, run_dir
-from .ledger import Ledger
+from ..home import home, run_dir
+from ..ledger import Ledger
 from .machine import Sampler, violations
 from .restarts import RESTARTABLE, Backoff, being_started, decide
 from .runlock import flock_held, holder, is_locked
@@ -34,7 +34,7 @@ from .runlock import flock_held, holder, is_locked
 def _seconds(value) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value)
-    from .errors import JobFileError
+    from ..errors import JobFileError
 
     raise JobFileError(f"{home() / 'config.toml'}: [agent] starting_grace = {value!r}: give seconds as a number "
                        ">= 0 (e.g. starting_grace = 600)")
@@ -117,7 +117,7 @@ class Agent:
 
     def __init__(self, ledger: Ledger, interval: float = 1.0, max_concurrent: int | None = None,
                  backoff: Backoff | None = None):
-        from .jobfile import user_defaults
+        from ..lifecycle.jobfile import user_defaults
 
         settings = user_defaults().get("agent", {})
         self.ledger = ledger
@@ -356,7 +356,7 @@ class Agent:
 @functools.lru_cache(maxsize=256)
 def _policy_of(job_toml: str):
     """A run's policy, parsed once per recorded job rather than several times every tick."""
-    from .config import JobConfig
+    from ..config import JobConfig
 
     return JobConfig.model_validate(tomllib.loads(job_toml)).policy
 
@@ -370,7 +370,7 @@ class AgentLock:
             fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self.fh.close()
-            from .errors import RunStateError
+            from ..errors import RunStateError
 
             raise RunStateError(f"an agent is already running (pid {agent_pid()})") from None
         self.fh.seek(0)

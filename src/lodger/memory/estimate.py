@@ -1,7 +1,7 @@
 """The estimator: peak memory and time of a training job, from the model's config.json.
 
 ``estimate`` adds up items (runtime, weights, gradients, optimizer, activations, logits, autocast
-copies, checkpoint, buffers, allocator) from the model's shape (``memory_model.py``), the
+copies, checkpoint, buffers, allocator) from the model's shape (``memory/model.py``), the
 precision table (``train/precision.py``) and constants calibrated on real steps measured in a
 fresh process (``measure``). docs/memory.md says what each item counts and how each constant was
 measured; ``bench/memory.py`` prints the comparison for SmolLM2.
@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 from .measure import (RUNS_PIN_ALLOCATOR, Measurement, measure, memory_available, pin_allocator,  # noqa: F401
                       runtime_bytes)
 # The model's arithmetic, re-exported: callers use memory.model_shape, memory.step_flops, ...
-from .memory_model import (Shape, activation_parts, adapter_extras, base_bytes, head_only_loss,  # noqa: F401
+from .model import (Shape, activation_parts, adapter_extras, base_bytes, head_only_loss,  # noqa: F401
                            largest_linear, layer_bytes, logits_bytes, model_shape, quantised_params, step_flops,
                            trainable_params)
-from .train.precision import MASTER_BYTES, MODES, mode
-from .train.throughput import flops_per_second, matmul_rate  # noqa: F401 (callers use memory.*)
+from ..train.precision import MASTER_BYTES, MODES, mode
+from ..train.throughput import flops_per_second, matmul_rate  # noqa: F401 (callers use memory.*)
 
 if TYPE_CHECKING:
-    from .config import JobConfig
+    from ..config import JobConfig
 
 GiB = 2**30
 
@@ -166,7 +166,7 @@ def estimate(job: "JobConfig", model_config: dict, *, seq_len: int | None = None
 
 
 def activation_bytes(shape: Shape, tokens: int, seq: int, method, precision, checkpointing: bool) -> float:
-    """What autograd saves for a micro-batch of ``tokens`` (memory_model.activation_parts), the
+    """What autograd saves for a micro-batch of ``tokens`` (memory.model.activation_parts), the
     gradients of the layer the backward pass is in (``BACKWARD_LAYERS``), and what DoRA or an 8-bit
     base keep beyond plain LoRA (checkpointed: within the one recomputed layer, left out)."""
     saved, recomputed = activation_parts(shape, tokens, seq, method, precision=precision, checkpointing=checkpointing)

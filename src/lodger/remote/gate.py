@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import JobConfig
-from .errors import GateRefused, LodgerError
+from ..config import JobConfig
+from ..errors import GateRefused, LodgerError
 from .targets import Target, TargetError, get_target
-from .train.precision import mode
+from ..train.precision import mode
 
 GiB = 2**30
 LIMITS = ("wall_hours", "gpu_hours", "cost", "nodes")
@@ -60,7 +60,7 @@ class Plan:
         return sum(f.size for f in self.files)
 
     def job_hash(self) -> str:
-        from .config import job_hash  # the same identity a local run of this job records
+        from ..config import job_hash  # the same identity a local run of this job records
 
         return job_hash(self.job)
 
@@ -86,7 +86,7 @@ def caps(target: Target) -> dict[str, Any]:
 
 
 def _sha256(path: Path) -> str:
-    from .model import cached_hash  # remembered by (path, size, mtime): a model is hashed once
+    from ..model import cached_hash  # remembered by (path, size, mtime): a model is hashed once
 
     return cached_hash(path)
 
@@ -101,7 +101,7 @@ def file_sha256(path: Path) -> str:
 
 def check(job_path: Path, target_name: str) -> Plan:
     """Check ``job_path`` against target ``target_name``; return the Plan or raise GateRefused."""
-    from .jobfile import load_job
+    from ..lifecycle.jobfile import load_job
 
     job_path = Path(job_path)
     reasons: list[str] = []
@@ -157,7 +157,7 @@ def _check_data(plan: Plan) -> list[str]:
 
 def _check_model(plan: Plan) -> list[str]:
     """The model's source files leave too (the cluster must train the same bytes)."""
-    from .model import resolve_source
+    from ..model import resolve_source
 
     try:
         source = resolve_source(plan.job.model.source)
@@ -212,8 +212,8 @@ def _check_fit(plan: Plan) -> list[str]:
     """Memory per process and the whole job's time, from the estimator, on the target's device."""
     import json
 
-    from . import memory
-    from .lifecycle.prepare import prepare
+    from ..memory import estimate as memory
+    from ..lifecycle.prepare import prepare
 
     job, target = plan.job, plan.target
     device = "cuda" if target.gpus_per_node and job.training.device != "cpu" else "cpu"
@@ -275,7 +275,7 @@ def _job_file_sha(job_path: Path) -> str | None:
 
 def record_refusal(job_path: Path, target_name: str, refused: GateRefused) -> None:
     """A `submit_refused` ledger event with the target, the job's identity and every reason."""
-    from .ledger import Ledger
+    from ..ledger import Ledger
 
     with Ledger() as ledger:
         ledger.event(None, "submit_refused", target=target_name, job_path=str(Path(job_path).resolve()),
@@ -286,7 +286,7 @@ def record_refusal(job_path: Path, target_name: str, refused: GateRefused) -> No
 def record_approval(plan: Plan, how: str) -> None:
     """A `submit_approved` ledger event with the plan's summary, how it was approved, and the
     chain's head just before it (what a later `lodger audit --against` can be checked with)."""
-    from .ledger import Ledger
+    from ..ledger import Ledger
 
     with Ledger() as ledger, ledger.transaction():
         ledger.event(None, "submit_approved", approved_by=how, chain_head=ledger.head(), **plan.summary())

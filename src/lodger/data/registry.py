@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from . import durable
-from .errors import DatasetError
-from .home import ledger_path
+from .. import durable
+from ..errors import DatasetError
+from ..home import ledger_path
 
 PREFIX = "dataset:"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -114,7 +114,7 @@ def _row(row) -> Dataset:
 
 @contextmanager
 def _ledger(ledger=None) -> Iterator:
-    from .ledger import Ledger
+    from ..ledger import Ledger
 
     if ledger is not None:
         yield ledger
@@ -169,7 +169,7 @@ def add(path: Path, *, name: str, license: str, owner: str, may_train: bool = Tr
         if not NAME_PATTERN.match(target):
             raise DatasetError(f"--target {target!r} is not a target name (letters, digits, `_`, `.`, `-`)")
     ident = identify(path)
-    from .ledger import Ledger
+    from ..ledger import Ledger
 
     durable.fault_point("dataset_before_ledger")
     with Ledger() as ledger, ledger.transaction():
@@ -216,7 +216,7 @@ def change_permissions(name: str, *, allow: bool, train: bool = False, leave: bo
     for target in targets:
         if not NAME_PATTERN.match(target):
             raise DatasetError(f"--target {target!r} is not a target name (letters, digits, `_`, `.`, `-`)")
-    from .ledger import Ledger
+    from ..ledger import Ledger
 
     with Ledger() as ledger, ledger.transaction():
         old = get(name, ledger)  # raises, naming the registered ones

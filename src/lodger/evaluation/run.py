@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import durable
-from .control import Control, ReleaseRequested, clear_request
-from .errors import CheckpointError, ModelSourceError, RunStateError
-from .evalharness import HARNESS, TaskSet, harness_version, load_tasks, offline, score, scores_of, sha256_json
-from .home import run_dir
-from .ledger import Ledger
-from .runlock import RunLock, holder
+from .. import durable
+from ..owner.control import Control, ReleaseRequested, clear_request
+from ..errors import CheckpointError, ModelSourceError, RunStateError
+from .harness import HARNESS, TaskSet, harness_version, load_tasks, offline, score, scores_of, sha256_json
+from ..home import run_dir
+from ..ledger import Ledger
+from ..owner.runlock import RunLock, holder
 
 WEIGHT_FILES = ("adapter_model.safetensors", "model.safetensors")
 
@@ -68,7 +68,7 @@ class Outcome:
 # -- what is scored (no torch) ---------------------------------------------------------------
 def base_source(ledger: Ledger, run: dict):
     """The run's base model, resolved again and checked to be the one it trained against."""
-    from .model import resolve_source
+    from ..model import resolve_source
 
     segments = ledger.provenance(run["id"])
     if not segments:
@@ -85,8 +85,8 @@ def base_source(ledger: Ledger, run: dict):
 
 def trained_weights(run: dict, checkpoint: int | None) -> Subject:
     """The run's final weights (its adapter folder), or one committed checkpoint's, verified."""
-    from .checkpoint import CheckpointStore
-    from .hashing import hash_file
+    from ..checkpoint import CheckpointStore
+    from ..hashing import hash_file
 
     folder = run_dir(run["id"])
     if checkpoint is None:
@@ -194,13 +194,13 @@ def evaluate_run(run_id: str, *, tasks: list[str], include: list[Path] | None = 
 def _job_of(run: dict):
     import tomllib
 
-    from .config import JobConfig
+    from ..config import JobConfig
 
     return JobConfig.model_validate(tomllib.loads(run["job_toml"]))
 
 
 def _apply_limits(job, say) -> None:
-    from .train.limits import apply_limits
+    from ..train.limits import apply_limits
 
     applied = apply_limits(job.limits)
     if "nice" in applied:
@@ -212,8 +212,8 @@ def _score_all(ledger, run, job, source, model_record, todo, outcome: Outcome, t
     """Load the base once, score each subject on it (the adapter on top, after the base), record each."""
     import torch
 
-    from .model import load_base_model, load_tokenizer, model_folder, preparation_notice, quiet_transformers
-    from .train.step import install_yield_points
+    from ..model import load_base_model, load_tokenizer, model_folder, preparation_notice, quiet_transformers
+    from ..train.step import install_yield_points
 
     quiet_transformers()
     torch.set_num_threads(threads or job.training.threads or torch.get_num_threads())
@@ -280,7 +280,7 @@ def _with_weights(model, subject: Subject, method):
         return wrapped.eval()
     from safetensors.torch import load as load_tensors
 
-    from .model import load_trainable_state
+    from ..model import load_trainable_state
 
     load_trainable_state(model, method, load_tensors(subject.files["model.safetensors"]))
     return model

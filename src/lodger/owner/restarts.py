@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import durable
+from .. import durable
 from .runlock import flock_held
 
 RESTARTABLE = ("created", "running", "held", "interrupted", "failed")

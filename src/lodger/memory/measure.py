@@ -1,4 +1,4 @@
-"""Measurements of this machine and of real training steps, for the estimator (memory.py): the
+"""Measurements of this machine and of real training steps, for the estimator (memory/estimate.py): the
 resident size of the training runtime, the memory available, and a few real steps of a job in a
 fresh process with their peak resident memory (``measure``). No torch at import.
 """
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import LodgerError
+from ..errors import LodgerError
 
 if TYPE_CHECKING:
-    from .config import JobConfig
+    from ..config import JobConfig
 
 # Whether `lodger run` pins the mmap threshold (pin_allocator): it does not; slower steps (docs/memory.md).
 RUNS_PIN_ALLOCATOR = False
@@ -90,9 +90,9 @@ with open("/proc/self/status") as fh:
 def _runtime_key(threads: int) -> str:
     from importlib.metadata import version
 
-    from . import __version__
+    from .. import __version__
 
-    from .quant import library_version  # peft imports bitsandbytes when it is installed: part of the runtime
+    from ..quant import library_version  # peft imports bitsandbytes when it is installed: part of the runtime
 
     parts = [sys.version, str(threads)] + [version(p) for p in ("torch", "transformers", "peft")] + [__version__]
     parts += [f"bitsandbytes {library_version()}"]
@@ -108,8 +108,8 @@ def runtime_bytes(*, threads: int | None = None, use_current: bool = True) -> in
         rss = _proc_status("VmRSS")
         if rss:
             return rss
-    from . import durable
-    from .home import cache_dir
+    from .. import durable
+    from ..home import cache_dir
 
     threads = threads or len(os.sched_getaffinity(0))
     memo = cache_dir("runtime") / f"{_runtime_key(threads)}.json"
@@ -155,7 +155,7 @@ def measure(job: "JobConfig", folder: Path, *, seq_len: int | None = None, steps
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     try:
-        done = subprocess.run([sys.executable, "-c", "from lodger.measure import measure_child; measure_child()"],
+        done = subprocess.run([sys.executable, "-c", "from lodger.memory.measure import measure_child; measure_child()"],
                               input=json.dumps(spec), capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise LodgerError(f"the measurement did not finish within {timeout:.0f} s") from None
@@ -174,12 +174,12 @@ def measure_child() -> None:
         pin_allocator()
     import torch
 
-    from .config import JobConfig
-    from .model import attach_method, load_base_model, load_tokenizer
-    from .train.optim import build_optimizer
-    from .train.precision import Precision
-    from .train.objective import make_objective
-    from .train.step import micro_step, optimizer_step
+    from ..config import JobConfig
+    from ..model import attach_method, load_base_model, load_tokenizer
+    from ..train.optim import build_optimizer
+    from ..train.precision import Precision
+    from ..train.objective import make_objective
+    from ..train.step import micro_step, optimizer_step
 
     job = JobConfig.model_validate(spec["job"])
     cfg = job.training
@@ -206,7 +206,7 @@ def measure_child() -> None:
     batch = {"input_ids": ids, "attention_mask": attention,
              "labels": torch.where(attention.bool(), ids, torch.tensor(-100))}
     if spec.get("packed"):  # two examples per row, positions restarting, attention per example as a run has it
-        from .train.attention import set_attention
+        from ..train.attention import set_attention
 
         set_attention(model)
         half = max(1, seq // 2)
@@ -251,9 +251,9 @@ def _write_checkpoint(model, job: "JobConfig", optimizer) -> int:
     memory), in a scratch folder removed afterwards."""
     import tempfile
 
-    from .checkpoint import CheckpointStore
-    from .model import adapter_files
-    from .train.optim import optimizer_files
+    from ..checkpoint import CheckpointStore
+    from ..model import adapter_files
+    from ..train.optim import optimizer_files
 
     with tempfile.TemporaryDirectory(prefix="lodger-measure-") as scratch:
         saved = CheckpointStore(Path(scratch) / "checkpoints", keep_last=2).save(
@@ -269,8 +269,8 @@ def _grpo_objective(job: "JobConfig", model, tokenizer, precision, seq: int, gen
 
     import torch
 
-    from .prompts import PromptBatch, PromptSet
-    from .train.grpo import GRPO
+    from ..data.prompts import PromptBatch, PromptSet
+    from ..train.grpo import GRPO
 
     cfg, grpo = job.training, job.grpo
     n = cfg.batch_size * cfg.grad_accum
@@ -305,7 +305,7 @@ def _preference_batch(job: "JobConfig", objective, vocab: int, seq: int, packed:
     training collates them, and the step's normalisers for ``grad_accum`` such micro-batches."""
     import torch
 
-    from .preference import PreferenceSet, flatten
+    from ..data.preference import PreferenceSet, flatten
 
     n, per = job.training.batch_size, objective.sequences
     examples = []

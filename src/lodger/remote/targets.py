@@ -11,10 +11,10 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError, field_validator
 
-from .config import Float, Int, Section, describe, read_toml
-from .tomlfile import toml_value
-from .errors import JobFileError, LodgerError
-from .home import home
+from ..config import Float, Int, Section, describe, read_toml
+from ..config.tomlfile import toml_value
+from ..errors import JobFileError, LodgerError
+from ..home import home
 
 
 class Target(Section):
@@ -57,7 +57,7 @@ class Target(Section):
     @field_validator("kind")
     @classmethod
     def _a_known_backend(cls, value: str) -> str:
-        from .remote.backend import check_kind  # the registry of kinds: no engine imported
+        from .backend import check_kind  # the registry of kinds: no engine imported
 
         return check_kind(value)
 
@@ -143,8 +143,8 @@ def get_target(name: str, recorded: bool = False) -> Target:
 
 
 def _check_recorded(name: str, target: Target) -> None:
-    from .ledger import Ledger
-    from .ledger.records import target_differences
+    from ..ledger import Ledger
+    from ..ledger.records import target_differences
 
     with Ledger() as ledger:
         chained = ledger.chain_targets().get(name)
@@ -158,7 +158,7 @@ def _check_recorded(name: str, target: Target) -> None:
 
 def save_targets(targets: dict[str, Target]) -> None:
     """Rewrite the targets file atomically (it is the user's settings, not run state)."""
-    from .durable import atomic_write
+    from ..durable import atomic_write
 
     lines = ["# lodger's remote targets: edit with `lodger target add` (the ledger records each change; the",
              "# gate refuses a target edited here by hand until `lodger target add NAME ... --replace` records it)."]
@@ -173,7 +173,7 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 def add_target(name: str, settings: dict, *, replace: bool = False) -> Target:
     """Validate and save a target; a `target_added` ledger event records it (and what it replaced)."""
-    from .ledger import Ledger
+    from ..ledger import Ledger
 
     if not re.match(NAME_PATTERN, name):
         raise TargetError(f"target name {name!r}: use letters, digits, `_`, `.`, `-` (at most 64)")
@@ -199,7 +199,7 @@ def add_target(name: str, settings: dict, *, replace: bool = False) -> Target:
 
 def remove_target(name: str) -> Target:
     """Delete a target from the user's file; a `target_removed` ledger event records what it was."""
-    from .ledger import Ledger
+    from ..ledger import Ledger
 
     targets = load_targets()
     target = get_target(name)

@@ -17,7 +17,7 @@ added beside the first:
 
 Writers: tensorboardX (protobuf and numpy, no torch or TensorFlow), mlflow-skinny on a local
 SQLite store by default, and trackio. All optional (`pip install 'lodger[trackers]'`). A job's
-`[report] to` sends its run after every checkpoint while it trains (report_feed.py).
+`[report] to` sends its run after every checkpoint while it trains (reporting/feed.py).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .compare import flatten
-from .errors import LodgerError
-from .home import home
-from .ledger import Ledger
+from ..errors import LodgerError
+from ..home import home
+from ..ledger import Ledger
 
 TRACKERS = ("tensorboard", "mlflow", "trackio")
 SKIPPED = ("kind", "step", "time", "segment")
@@ -83,7 +83,7 @@ def to_tensorboard(record: RunRecord, folder: Path) -> str:
     """Write the run's event files into ``folder/<run id>``, replacing what an earlier export wrote."""
     from tensorboardX import SummaryWriter
 
-    from . import durable
+    from .. import durable
 
     final = durable.make_dirs(Path(folder)) / record.run["id"]
     fresh = final.with_name(f".{final.name}.tmp-{secrets.token_hex(3)}")
@@ -168,7 +168,7 @@ def to_trackio(record: RunRecord, folder: Path, project: str = "lodger") -> str:
     import trackio
     from trackio.sqlite_storage import SQLiteStorage
 
-    from . import durable
+    from .. import durable
 
     durable.make_dirs(Path(folder))
     if Path(trackio.TRACKIO_DIR) != Path(folder):

@@ -17,11 +17,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from . import durable
-from .data import ROLES, DataFile, text_problem
-from .errors import DataError
+from .. import durable
+from .chats import ROLES, DataFile, text_problem
+from ..errors import DataError
 from .preference import messages_problem
-from .home import cache_dir
+from ..home import cache_dir
 
 FORMAT_VERSION = 1
 RESERVED = ("prompts", "completions", "completion_ids", "step", "line")  # names the reward call uses itself

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EvalError
+from ..errors import EvalError
 
 HARNESS = "lm-eval"
-TASKS_DIR = Path(__file__).resolve().parent / "demo" / "tasks"
+TASKS_DIR = Path(__file__).resolve().parents[1] / "demo" / "tasks"
 DEFAULT_TASKS = ("lodger_demo",)
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")  # dataset_path values that read local data_files
 INSTALL_HINT = "install it with `pip install 'lodger[eval]'` (or `pip install lm-eval==0.4.13`)"
@@ -101,7 +101,7 @@ def task_manager(names: list[str], include: list[Path], builtin: bool | None = N
 @contextlib.contextmanager
 def quiet(log: Path | None):
     """lm-eval's and datasets' own output (progress bars, warnings) to ``log``, not the terminal."""
-    from . import durable
+    from .. import durable
 
     out = durable.open_file(log, "a", encoding="utf-8") if log else open(os.devnull, "a", encoding="utf-8")
     with out, contextlib.redirect_stderr(out):

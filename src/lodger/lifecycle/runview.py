@@ -63,8 +63,8 @@ def progress(run: dict, folder: Path | None) -> dict:
 
 def live_status(run: dict) -> str:
     """The recorded status, corrected for a process that died without saying so or is starting."""
-    from .home import run_dir
-    from .runlock import is_locked
+    from ..home import run_dir
+    from ..owner.runlock import is_locked
 
     if run.get("target"):
         return run["status"]  # a remote run: as refresh_remote left it (its cluster was asked)
@@ -72,8 +72,8 @@ def live_status(run: dict) -> str:
     if run["status"] in ("running", "held") and not is_locked(folder):
         return "crashed"
     if run["status"] in ("created", "paused", "interrupted") and is_locked(folder):
-        from .control import run_state
-        from .runlock import lock_pid
+        from ..owner.control import run_state
+        from ..owner.runlock import lock_pid
 
         # A new process has taken the run and is loading (it says "running" once it trains); the
         # process that just paused it still holds the lock for a moment, but it wrote the state.

@@ -21,12 +21,12 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import durable
+from .. import durable
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-    from .train.record import StepRecord
+    from ..train.record import StepRecord
 
 ETA_WINDOW = 20  # recent steps the ETA is computed from (the first steps are slower: warm-up, caches)
 TICK = 1.0  # seconds between redraws of the live line at a terminal

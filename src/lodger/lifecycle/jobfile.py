@@ -2,7 +2,7 @@
 the dataset registry, one ``JobFileError`` that lists every problem; and the commented example
 job that `lodger init` writes, generated from the field docstrings.
 
-The models themselves are config.py; this module sits above the ledger (datasets.py reads it).
+The models themselves are config.py; this module sits above the ledger (data/registry.py reads it).
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .config import (DATASET_PREFIX, USER_ONLY_SECTIONS, USER_SECTIONS, CheckpointConfig, DataConfig,
+from ..config import (DATASET_PREFIX, USER_ONLY_SECTIONS, USER_SECTIONS, CheckpointConfig, DataConfig,
                      DatasetPolicyConfig, GuardConfig, JobConfig, LimitsConfig, MethodConfig, ModelConfig,
                      PolicyConfig, RemoteConfig, TrainingConfig, check_table, cross_checks, describe, raise_problems,
                      read_toml)
-from .errors import JobFileError
-from .tomlfile import toml_value
+from ..errors import JobFileError
+from ..config.tomlfile import toml_value
 
 
 def _resolve_data(raw: dict[str, Any], base_dir: Path, unregistered: str) -> tuple[dict[str, Any], list[str]]:
     """Each data file that exists (or names a dataset) against the registry: {role: DataUse}, problems."""
-    from .datasets import list_datasets, resolve
+    from ..data.registry import list_datasets, resolve
 
     data = raw.get("data")
     if not isinstance(data, dict):
@@ -66,7 +66,7 @@ def parse_job(raw: dict[str, Any], source: str, base_dir: Path, *, unregistered:
         job.model.source = f"{job.model.source}@{job.model.revision}"  # every reader of `source` sees it
     raise_problems(_resolve_reward_files(job, base_dir), JobFileError, source, "the job file")
     if job.method.init_adapter is not None:
-        from .model import apply_init_adapter
+        from ..model import apply_init_adapter
 
         raise_problems(apply_init_adapter(job.method, base_dir), JobFileError, source, "the job file")
     return job
@@ -93,7 +93,7 @@ def _resolve_reward_files(job: JobConfig, base_dir: Path) -> list[str]:
 def user_defaults() -> dict[str, dict[str, Any]]:
     """[policy] and [limits] defaults from $LODGER_HOME/config.toml (validated), plus [agent] and
     [datasets] settings."""
-    from .home import home
+    from ..home import home
 
     path = home() / "config.toml"
     if not path.is_file():
@@ -154,7 +154,7 @@ GRPO_DEMO: dict[str, Any] = {
 
 def _grpo_sections() -> list[str]:
     """The commented [grpo] section and the demo's [[rewards]] table."""
-    from .config.grpo import GRPOConfig, RewardConfig
+    from ..config.grpo import GRPOConfig, RewardConfig
 
     out = ["", f"# {' '.join((JobConfig.model_fields['grpo'].description or '').split())}", "[grpo]"]
     for key, field in GRPOConfig.model_fields.items():
@@ -199,7 +199,7 @@ def example_job(train: str = "train.jsonl", eval_: str | None = "eval.jsonl", re
         values["training"].update(GRPO_DEMO["training"])
         values["data"]["max_length"] = GRPO_DEMO["max_length"]
     elif objective != "sft":
-        from .config.model import PREFERENCE_DEFAULTS
+        from ..config.model import PREFERENCE_DEFAULTS
 
         values["method"].update(objective=objective, **PREFERENCE_DEFAULTS[objective])
         values["training"].update(steps=40, batch_size=4, learning_rate=5e-4, eval_every=10)

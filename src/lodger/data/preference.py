@@ -22,10 +22,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable, Sequence
 
-from . import durable
-from .data import ROLES, DataFile, ExampleSet, message_problem, text_problem
-from .errors import DataError
-from .home import cache_dir
+from .. import durable
+from .chats import ROLES, DataFile, ExampleSet, message_problem, text_problem
+from ..errors import DataError
+from ..home import cache_dir
 
 FORMAT_VERSION = 1
 PAIRED = ("dpo", "orpo")
@@ -34,7 +34,7 @@ FIELDS = {"dpo": ("prompt", "chosen", "rejected"), "orpo": ("prompt", "chosen", 
 
 
 def messages_problem(value: object, key: str, roles: Sequence[str]) -> str | None:
-    """Why ``value`` is not a non-empty list of messages with those roles (prompts.py reads prompts with it too)."""
+    """Why ``value`` is not a non-empty list of messages with those roles (data/prompts.py reads prompts with it too)."""
     if not isinstance(value, list) or not value:
         return f'"{key}" must be a non-empty string or a non-empty list of messages'
     for i, message in enumerate(value):

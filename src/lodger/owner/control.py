@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import durable
+from .. import durable
 from .runlock import holder, process_start
 
 REQUESTERS = ("user", "agent", "serve", "limit")
@@ -147,7 +147,7 @@ def request_pause(run_folder: Path, mode: str, ledger, why: str = "lodger pause"
     owner would wait with no answer. It is continued (with what the terminal stopped beside it), so
     that it answers now; a hold then keeps it where a stop kept it. One stopped by a debugger is
     left to the debugger: the request is recorded, and the owner told so at once."""
-    from .errors import RunStateError
+    from ..errors import RunStateError
     from .runlock import is_locked
 
     run_id = Path(run_folder).name
@@ -208,7 +208,7 @@ def request_continue(run_folder: Path, ledger) -> list[str]:
     """Withdraw the owner's (and the agent's) pause of a live, held run: what `lodger resume` does
     for a run whose process still holds it. Returns the requesters that still hold it; raises
     RunStateError when the run is neither held nor asked to be."""
-    from .errors import RunStateError
+    from ..errors import RunStateError
 
     requests = read_requests(run_folder)
     held = run_state(run_folder).get("state") == "held"  # e.g. by a server that died: its hold lapsed

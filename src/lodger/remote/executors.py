@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import LodgerError, RunStateError
-from .home import run_dir
+from ..errors import LodgerError, RunStateError
+from ..home import run_dir
 
 if TYPE_CHECKING:
-    from .ledger import Ledger
+    from ..ledger import Ledger
 
 Row = dict[str, Any]  # the run's ledger row
 
@@ -47,10 +47,10 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    """A run on this machine: requests through its folder (control.py), its lock (runlock.py)."""
+    """A run on this machine: requests through its folder (owner/control.py), its lock (owner/runlock.py)."""
 
     def pause(self, ledger: Ledger, run: Row, mode: str) -> Asked:
-        from .control import request_pause
+        from ..owner.control import request_pause
 
         folder = run_dir(run["id"])
         try:
@@ -62,8 +62,8 @@ class LocalExecutor:
     def answered(self, asked: Asked, hold: bool, since: float) -> str | None:
         """What to say once the run has held (``hold``) or given the machine back; None until then.
         A process stopped (Ctrl-Z, SIGSTOP) cannot answer: that is an error naming the fix."""
-        from .control import process_state, run_state
-        from .runlock import is_locked
+        from ..owner.control import process_state, run_state
+        from ..owner.runlock import is_locked
 
         run, folder, pid = asked.run, asked.folder, asked.pid
         mode = "hold" if hold else "release"
@@ -88,8 +88,8 @@ class LocalExecutor:
     def resume(self, ledger: Ledger, run: Row) -> str | None:
         """Continue a held run in its own process ("continues..."); None when no process trains it
         and it is to be started here again (the caller does, through lifecycle.Run)."""
-        from .control import request_continue
-        from .runlock import holder, is_locked
+        from ..owner.control import request_continue
+        from ..owner.runlock import holder, is_locked
 
         folder = run_dir(run["id"])
         pid = holder(folder)  # a finished run may be held all the same: `lodger eval` scoring it
@@ -119,12 +119,12 @@ class RemoteExecutor:
     """A run on a remote target: its backend and its storage (remote/)."""
 
     def pause(self, ledger: Ledger, run: Row, mode: str) -> Asked:
-        from .remote import pause
+        from . import pause
 
         return Asked(run, pause(ledger, run, mode), None, time.time())  # a request file in storage
 
     def answered(self, asked: Asked, hold: bool, since: float) -> str | None:
-        from .remote import answered_state
+        from . import answered_state
 
         run = asked.run
         if hold:  # the run answers a hold in its state file, as a local one does
@@ -136,22 +136,22 @@ class RemoteExecutor:
         return None
 
     def resume(self, ledger: Ledger, run: Row) -> str | None:
-        from .remote import resume
+        from . import resume
 
         return resume(ledger, run)
 
     def folder(self, run: Row) -> Path:
-        from .remote import remote_run_dir
+        from . import remote_run_dir
 
         return remote_run_dir(run)  # the live files, straight from storage
 
     def engine_log(self, run: Row) -> str:
-        from .remote import job_logs
+        from . import job_logs
 
         return job_logs(run)
 
     def cancel(self, ledger: Ledger, run: Row) -> bool:
-        from .remote import cancel
+        from . import cancel
 
         return cancel(ledger, run)
 
