@@ -246,39 +246,17 @@ def _remote_events(info: dict) -> list[str]:
     return [e["data"]["remote_kind"] for e in info["events"] if e["kind"] == "remote_event"]
 
 
-def test_remote_job_runs_there_and_its_results_come_home_bitwise_equal(ray_head, standard_job, baseline,
-                                                                        lodger_home, tmp_path):
-    env = lodger_env(lodger_home, **RAY_ENV)
-    run_id = _submit_through_gate(standard_job, ray_head, env, tmp_path)
-    assert show(run_id, env)["run"]["status"] in ("submitted", "created", "running")
-
-    wait_until(lambda: _remote_state(ray_head, run_id).get("state") == "finished", 300,
-               what="the remote run to finish", interval=0.05)
-    info = _wait_synced(run_id, env, ("finished",))
-    assert info["checkpoints"] == ["step-00000020", "step-00000024"], info
-    local = run_dir_of(run_id, env)
-    assert train_records(local) == baseline.records
-    assert final_adapter_bytes(local) == baseline.adapter
-
-    shown = show(run_id, env)
-    assert shown["run"]["target"] == "test-ray" and shown["run"]["step"] == TOTAL_STEPS
-    assert shown["last_train"]["step"] == TOTAL_STEPS  # metrics are in the local ledger
-    assert {"created", "started", "checkpoint", "finished"} <= set(_remote_events(shown))
-    assert "remote_submitted" in event_kinds(shown)
-
-    logs = run_lodger(["logs", run_id], env)
-    assert logs.returncode == 0 and "finished: 24 steps" in logs.stdout, describe(logs)
-    ray_logs = run_lodger(["logs", run_id, "--ray"], env)
-    assert ray_logs.returncode == 0 and "lodger.remote.worker" in ray_logs.stdout, describe(ray_logs)
-    audit = run_lodger(["audit"], env)
-    assert audit.returncode == 0, describe(audit)
-
-
-def test_remote_worker_killed_mid_run_resumes_bitwise_equal(ray_head, standard_job, baseline, lodger_home):
+def test_a_job_through_the_gate_killed_there_mid_run_resumes_and_its_results_come_home_bitwise_equal(
+        ray_head, standard_job, baseline, lodger_home, tmp_path):
+    # One scenario for the remote path's promises (a run there costs a Ray job and a fresh lodger
+    # process on the head): submitted as a user does it, through the gate; the worker SIGKILLed
+    # mid-run; `lodger status` finds it crashed; `lodger resume` resubmits it; the results come
+    # home bitwise equal to the same job run here; the ledger, the logs and the audit say so.
     from lodger.owner.runlock import lock_pid
 
     env = lodger_env(lodger_home, **RAY_ENV)
-    run_id = _submit(standard_job, ray_head)
+    run_id = _submit_through_gate(standard_job, ray_head, env, tmp_path)
+    assert show(run_id, env)["run"]["status"] in ("submitted", "created", "running")
     remote = _remote_dir(ray_head, run_id)
     wait_until(lambda: (remote / "metrics.jsonl").exists(), 300, what="the remote run to start", interval=0.05)
     wait_for_step(remote, 10, timeout=300)
@@ -305,12 +283,23 @@ def test_remote_worker_killed_mid_run_resumes_bitwise_equal(ray_head, standard_j
     assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
     info = _wait_synced(run_id, env, ("finished",))
     assert info["submission_id"].endswith("-s1")
+    assert info["checkpoints"][-2:] == ["step-00000020", "step-00000024"], info
     local = run_dir_of(run_id, env)
     assert train_records(local) == baseline.records
     assert final_adapter_bytes(local) == baseline.adapter
+
     shown = show(run_id, env)
-    assert "resumed" in _remote_events(shown)
+    assert shown["run"]["target"] == "test-ray" and shown["run"]["step"] == TOTAL_STEPS
+    assert shown["last_train"]["step"] == TOTAL_STEPS  # metrics are in the local ledger
+    assert {"created", "started", "checkpoint", "resumed", "finished"} <= set(_remote_events(shown))
     assert event_kinds(shown).count("remote_submitted") == 2 and "remote_job_ended" in event_kinds(shown)
+
+    logs = run_lodger(["logs", run_id], env)
+    assert logs.returncode == 0 and "finished: 24 steps" in logs.stdout, describe(logs)
+    ray_logs = run_lodger(["logs", run_id, "--ray"], env)
+    assert ray_logs.returncode == 0 and "lodger.remote.worker" in ray_logs.stdout, describe(ray_logs)
+    audit = run_lodger(["audit"], env)
+    assert audit.returncode == 0, describe(audit)
 
 
 def test_remote_wall_time_limit_stops_the_job_with_a_committed_checkpoint(ray_head, e2e_data, tiny_model_dir,
