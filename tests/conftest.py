@@ -33,7 +33,7 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-from fixtures_lib import build_tiny_model, write_chat_jsonl, write_text_jsonl  # noqa: E402
+from fixtures_lib import build_tiny_model, built_once, write_chat_jsonl, write_text_jsonl  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -121,10 +121,20 @@ def lodger_home(_isolated_env: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder every worker of this session shares: xdist's workers each get a base folder
+    inside the controller's (``popen-gw0``, ...), so theirs is its parent; without xdist, the base.
+    What ``fixtures_lib.built_once`` builds there is built once for all workers, at the same path
+    (a baseline's job file names its model and data: the same everywhere, as in one process)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(shared_root: Path) -> Path:
     """A tiny random Llama model folder, built once per session. Do not modify it;
     copy it (shutil.copytree) first if a test needs to."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_model") / "model", seed=0)
+    return built_once(shared_root, "tiny_model", lambda folder: build_tiny_model(folder / "model", seed=0)) / "model"
 
 
 @pytest.fixture

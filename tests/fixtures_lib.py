@@ -16,10 +16,13 @@ conversation has none), ``eos == pad == <|im_end|>``, tied embeddings, GQA.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
 import random
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,6 +41,7 @@ __all__ = [
     "write_text_jsonl",
     "make_preference_records",
     "write_preference_jsonl",
+    "built_once",
 ]
 
 # Same order as SmolLM2: <|endoftext|>=0, <|im_start|>=1, <|im_end|>=2.
@@ -419,3 +423,22 @@ def build_tool_model(dir: Path, *, seed: int = 0, steps: int = 100) -> Path:
     model.save_pretrained(dir, safe_serialization=True)
     tokenizer.save_pretrained(dir)
     return dir
+
+
+def built_once(root: Path, name: str, build: Callable[[Path], object]) -> Path:
+    """``root/name``, built by ``build(folder)`` once for every process that asks with the same root.
+
+    The suite's workers (pytest-xdist) each hold their own session fixtures: a baseline run asked
+    for by tests on both workers was trained twice. Here the first to take the lock builds, the
+    others wait for it and read. A build that failed leaves no ``.built`` mark, so the next one
+    starts again from nothing (and fails on its own, with its own message).
+    """
+    folder = root / name
+    with open(root / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not (folder / ".built").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (folder / ".built").touch()
+    return folder

@@ -1,36 +1,38 @@
 """Fixtures for end-to-end tests: shared data, the standard job file, and one uninterrupted baseline run.
 
-The baseline is trained once per session in its own LODGER_HOME (the autouse fixture gives every
-test a fresh one, which the baseline must not depend on). Every exactness test runs the same job
-file in its own home and compares against it.
+The baseline is trained once per session, for all of xdist's workers (``built_once`` in the
+folder they share), in its own LODGER_HOME (the autouse fixture gives every test a fresh one,
+which the baseline must not depend on). Every exactness test runs the same job file in its own
+home and compares against it.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from fixtures_lib import write_chat_jsonl
+from fixtures_lib import built_once, write_chat_jsonl
 from helpers import (STANDARD_JOB, TOTAL_STEPS, WORLD, describe, eval_losses, final_adapter_bytes, killed_by_sigkill,
                      lodger_env, run_dir_of, run_lodger, train_losses, train_records, write_job)
 
 
 @pytest.fixture(scope="session")
-def e2e_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def e2e_data(shared_root: Path) -> dict[str, Path]:
     """Chat data shared by every e2e run (same bytes for baseline and test runs)."""
-    folder = tmp_path_factory.mktemp("e2e_data")
-    return {"train": write_chat_jsonl(folder / "train.jsonl", 64, seed=0),
-            "eval": write_chat_jsonl(folder / "eval.jsonl", 16, seed=1)}
+    folder = built_once(shared_root, "e2e_data", lambda f: (write_chat_jsonl(f / "train.jsonl", 64, seed=0),
+                                                            write_chat_jsonl(f / "eval.jsonl", 16, seed=1)))
+    return {"train": folder / "train.jsonl", "eval": folder / "eval.jsonl"}
 
 
 @pytest.fixture(scope="session")
-def standard_job(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, e2e_data) -> Path:
+def standard_job(shared_root: Path, tiny_model_dir: Path, e2e_data) -> Path:
     """The job file of the baseline; tests that compare against the baseline run this same file."""
-    return write_job(tmp_path_factory.mktemp("e2e_job") / "job.toml", model=tiny_model_dir,
-                     train=e2e_data["train"], eval=e2e_data["eval"], **STANDARD_JOB)
+    return built_once(shared_root, "e2e_job", lambda f: write_job(
+        f / "job.toml", model=tiny_model_dir, train=e2e_data["train"], eval=e2e_data["eval"], **STANDARD_JOB)) / "job.toml"
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,32 @@ class Baseline:
     adapter: bytes
 
 
+def _run_in_home(job: Path, fault: str | None = None) -> Callable[[Path], None]:
+    """A builder for ``built_once``: ``lodger run JOB`` in ``folder/home`` (``fault``: LODGER_FAULT,
+    the run must die of it by SIGKILL), its run id kept in ``folder/run_id``."""
+    def build(folder: Path) -> None:
+        home = folder / "home"
+        home.mkdir(mode=0o700)  # as lodger makes a new home: owner-only
+        env = lodger_env(home, **({"LODGER_FAULT": fault} if fault else {}))
+        result = run_lodger(["run", job, "--quiet"], env)
+        if fault:
+            assert killed_by_sigkill(result.returncode), describe(result)
+        else:
+            assert result.returncode == 0, describe(result)
+        (folder / "run_id").write_text(result.stdout.splitlines()[0].split()[1])
+    return build
+
+
+def _home_and_run(folder: Path) -> tuple[Path, str]:
+    return folder / "home", (folder / "run_id").read_text()
+
+
 @pytest.fixture(scope="session")
-def baseline(tmp_path_factory: pytest.TempPathFactory, standard_job: Path) -> Baseline:
-    home = tmp_path_factory.mktemp("baseline_home")
-    env = lodger_env(home)
-    result = run_lodger(["run", standard_job, "--quiet"], env)
-    assert result.returncode == 0, describe(result)
-    run_id = result.stdout.splitlines()[0].split()[1]
-    folder = run_dir_of(run_id, env)
+def baseline(shared_root: Path, standard_job: Path) -> Baseline:
+    """The standard job run once for the session (all workers), in its own home: read it, copy it,
+    never write into it."""
+    home, run_id = _home_and_run(built_once(shared_root, "baseline", _run_in_home(standard_job)))
+    folder = run_dir_of(run_id, lodger_env(home))
     losses = train_losses(folder)
     assert [s for s, _ in losses] == list(range(1, TOTAL_STEPS + 1)), losses
     return Baseline(home, run_id, folder, losses, train_records(folder), eval_losses(folder),
@@ -61,20 +81,18 @@ def baseline(tmp_path_factory: pytest.TempPathFactory, standard_job: Path) -> Ba
 
 
 @pytest.fixture(scope="session")
-def ddp_job(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, e2e_data) -> Path:
+def ddp_job(shared_root: Path, tiny_model_dir: Path, e2e_data) -> Path:
     """The standard job (24 steps, checkpoint every 4, LoRA dropout) with two ranks of one thread each."""
-    return write_job(tmp_path_factory.mktemp("ddp_job") / "job.toml", model=tiny_model_dir,
-                     train=e2e_data["train"], eval=e2e_data["eval"], **STANDARD_JOB,
-                     extra={"training": {"world_size": WORLD}})
+    return built_once(shared_root, "ddp_job", lambda f: write_job(
+        f / "job.toml", model=tiny_model_dir, train=e2e_data["train"], eval=e2e_data["eval"], **STANDARD_JOB,
+        extra={"training": {"world_size": WORLD}})) / "job.toml"
 
 
 @pytest.fixture(scope="session")
-def ddp_baseline(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> dict:
-    """One uninterrupted two-rank run, in its own home."""
-    env = lodger_env(tmp_path_factory.mktemp("ddp_baseline_home"))
-    result = run_lodger(["run", ddp_job, "--quiet"], env)
-    assert result.returncode == 0, describe(result)
-    run_id = result.stdout.splitlines()[0].split()[1]
+def ddp_baseline(shared_root: Path, ddp_job: Path) -> dict:
+    """One uninterrupted two-rank run, in its own home (once for all workers; read only)."""
+    home, run_id = _home_and_run(built_once(shared_root, "ddp_baseline", _run_in_home(ddp_job)))
+    env = lodger_env(home)
     folder = run_dir_of(run_id, env)
     return {"env": env, "run_id": run_id, "dir": folder, "records": train_records(folder),
             "evals": eval_losses(folder), "adapter": final_adapter_bytes(folder)}
@@ -85,11 +103,9 @@ KILLED_FAULT = "before_manifest@3"
 
 
 @pytest.fixture(scope="session")
-def _killed_home(tmp_path_factory: pytest.TempPathFactory, standard_job: Path) -> tuple[Path, str]:
-    home = tmp_path_factory.mktemp("killed_home")
-    result = run_lodger(["run", standard_job, "--quiet"], lodger_env(home, LODGER_FAULT=KILLED_FAULT))
-    assert killed_by_sigkill(result.returncode), describe(result)
-    return home, result.stdout.splitlines()[0].split()[1]
+def _killed_home(shared_root: Path, standard_job: Path) -> tuple[Path, str]:
+    """(home, run id) of the standard job killed at KILLED_FAULT, once for all workers: copy it, never write into it."""
+    return _home_and_run(built_once(shared_root, "killed", _run_in_home(standard_job, KILLED_FAULT)))
 
 
 @pytest.fixture

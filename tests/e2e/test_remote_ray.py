@@ -360,15 +360,6 @@ def _assert_equal_to_two_ranks_here(local: Path, info: dict, ddp_baseline: dict)
     assert manifest["world_size"] == 2 and "rng-rank-1.json" in manifest["files"]
 
 
-def test_two_ranks_under_ray_end_bitwise_equal_to_two_ranks_here(ray_head, ddp_job, ddp_baseline, lodger_home,
-                                                                 tmp_path):
-    # world_size = 2 on the cluster: the Ray job's worker runs torchrun itself, as `lodger run` does here.
-    env = lodger_env(lodger_home, **RAY_ENV)
-    run_id = _submit_through_gate(ddp_job, ray_head, env, tmp_path)
-    info = _wait_synced(run_id, env, ("finished",))
-    _assert_equal_to_two_ranks_here(run_dir_of(run_id, env), info, ddp_baseline)
-
-
 def test_two_ray_train_workers_killed_and_resumed_end_bitwise_equal_to_two_ranks_here(
         ray_head, ddp_job, ddp_baseline, lodger_home, tmp_path):
     # [remote] nodes = 2: no torchrun; the driver asks Ray Train for one worker per rank (two CPUs
