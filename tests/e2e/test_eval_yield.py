@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from fixtures_lib import write_chat_jsonl
-from helpers import (checkpoint_dirs, describe, eval_losses, final_adapter_bytes, lodger_env, read_metrics,
+from helpers import (checkpoint_dirs, describe, eval_losses, final_adapter_bytes, killed_by_sigkill,
+                     lodger_env, read_metrics,
                      run_dir_of, run_lodger, start_lodger, train_records, wait_until, write_job)
 from lodger.owner.control import clear_request, notify, run_state, write_request
 from lodger.owner.runlock import is_locked, lock_pid
@@ -43,9 +44,9 @@ def eval_baseline(tmp_path_factory: pytest.TempPathFactory, eval_job: Path) -> d
     return {"records": train_records(folder), "evals": eval_losses(folder), "adapter": final_adapter_bytes(folder)}
 
 
-def log_has(folder: Path, text: str) -> bool:
+def log_has(folder: Path, text: str, times: int = 1) -> bool:
     path = folder / "log.txt"
-    return path.exists() and text in path.read_text(errors="replace")
+    return path.exists() and path.read_text(errors="replace").count(text) >= times
 
 
 def evals_at(folder: Path, step: int) -> list[dict]:
@@ -58,8 +59,9 @@ def ask(folder: Path, state: str) -> None:
     notify(lock_pid(folder))
 
 
-def wait_eval_started(folder: Path, step: int, running) -> None:
-    wait_until(lambda: is_locked(folder) and log_has(folder, f"eval at step {step}: {EVAL_EXAMPLES} examples"),
+def wait_eval_started(folder: Path, step: int, running, times: int = 1) -> None:
+    """Until the log says the eval at ``step`` started (``times``: the how-manieth time it did)."""
+    wait_until(lambda: is_locked(folder) and log_has(folder, f"eval at step {step}: {EVAL_EXAMPLES} examples", times),
                300, running.proc, what=f"the eval at step {step} to start", output=running, interval=POLL)
 
 
@@ -92,11 +94,25 @@ def test_hold_and_release_during_an_eval_are_answered_inside_it_and_the_run_stay
     finally:
         running.close()
 
-    # 3. resume: the abandoned eval runs again; release again, during the final eval (step 8)
+    # 3. resume: the abandoned eval runs again; SIGKILL during the eval at step 8, before the next
+    #    checkpoint: the checkpoint of step 4 still has no result for the eval at step 4 that the
+    #    metrics now hold, so the next resume drops that line and runs the eval again (kept, the run
+    #    would log it twice)
     resumed = start_lodger(["resume", run_id, "--quiet"], env, log_dir=tmp_path)
     try:
         wait_eval_started(folder, 8, resumed)
         assert len(evals_at(folder, 4)) == 1, "the abandoned eval at step 4 was not run again on resume"
+        resumed.kill()
+        assert killed_by_sigkill(resumed.wait(120)), describe(resumed)
+        assert checkpoint_dirs(folder)[-1] == "step-00000004"
+    finally:
+        resumed.close()
+
+    # 4. resume again; release during the final eval (step 8), this process's (the log has the killed one's)
+    resumed = start_lodger(["resume", run_id, "--quiet"], env, log_dir=tmp_path)
+    try:
+        wait_eval_started(folder, 8, resumed, times=2)
+        assert len(evals_at(folder, 4)) == 1, "the eval at step 4 is logged twice, or not again"
         ask(folder, "release")
         assert resumed.wait(120) == 0, describe(resumed)
         assert evals_at(folder, 8) == []
@@ -104,7 +120,7 @@ def test_hold_and_release_during_an_eval_are_answered_inside_it_and_the_run_stay
     finally:
         resumed.close()
 
-    # 4. the last resume only evaluates and finishes; everything equals the uninterrupted run
+    # 5. the last resume only evaluates and finishes; everything equals the uninterrupted run
     result = run_lodger(["resume", run_id, "--quiet"], env)
     assert result.returncode == 0, describe(result)
     info = json.loads(run_lodger(["show", run_id, "--json"], env).stdout)

@@ -251,11 +251,13 @@ class Ledger:
                 self._append_event(run_id, "metrics", {"segment": segment,
                                                        "rows": metrics_digest([r[1:] for r in stored])})
 
-    def truncate_metrics(self, run_id: str, after_step: int) -> int:
-        """Delete the run's metric rows after ``after_step`` (work lost with a process); a
-        `metrics_truncated` event records it. Returns how many rows went."""
+    def truncate_metrics(self, run_id: str, after_step: int, eval_kept: bool = True) -> int:
+        """Delete the run's metric rows after ``after_step`` (work lost with a process), and with
+        ``eval_kept`` false the eval row at ``after_step`` too (the restored state has no result for
+        it: it runs again); a `metrics_truncated` event records it. Returns how many rows went."""
         with self.transaction():
-            gone = self.db.execute("DELETE FROM metrics WHERE run_id=? AND step>?", (run_id, after_step)).rowcount
+            gone = self.db.execute("DELETE FROM metrics WHERE run_id=? AND (step>? OR (step=? AND kind='eval' AND ?))",
+                                   (run_id, after_step, after_step, not eval_kept)).rowcount
             if gone:
                 self._append_event(run_id, "metrics_truncated", {"after_step": after_step, "rows": gone})
         return gone

@@ -26,7 +26,7 @@ class RunRecords(Protocol):
 
     def add_metrics(self, run_id: str, segment: int, rows: Iterable[dict[str, Any]]) -> None: ...
 
-    def truncate_metrics(self, run_id: str, after_step: int) -> int: ...
+    def truncate_metrics(self, run_id: str, after_step: int, eval_kept: bool = True) -> int: ...
 
     def transaction(self) -> AbstractContextManager[Any]: ...
 
@@ -86,6 +86,9 @@ class Recorder:
 
     def truncate_metrics(self, step: int) -> int:
         """Drop metric lines after ``step``: that work was lost with the process and is done again.
+        An eval line at ``step`` itself goes too when the restored state has no result for it: a
+        release abandoned that eval, a later process ran it and died before its next checkpoint,
+        and the resume runs it again (kept, it would be there twice).
 
         Returns the last step the previous process had reached (where it was interrupted)."""
         path = self.dir / "metrics.jsonl"
@@ -98,9 +101,10 @@ class Recorder:
                 except ValueError:
                     continue  # a line torn by the crash (metrics are not fsynced); its step is redone
             reached = max([step] + [r["step"] for r in records])
-            kept = [json.dumps(r) + "\n" for r in records if r["step"] <= step]
+            kept = [json.dumps(r) + "\n" for r in records
+                    if r["step"] < step or (r["step"] == step and (r.get("kind") != "eval" or step in self.evals))]
             durable.atomic_write(path, "".join(kept).encode())
-        self.ledger.truncate_metrics(self.run_id, step)  # a `metrics_truncated` event says so
+        self.ledger.truncate_metrics(self.run_id, step, eval_kept=step in self.evals)  # a `metrics_truncated` event
         durable.fault_point("after_metrics_truncate")
         return reached
 
