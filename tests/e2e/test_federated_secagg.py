@@ -1,8 +1,10 @@
 """Secure aggregation on Flower's deployment runtime: a real SuperLink and two real SuperNodes on
-127.0.0.1, `[federated.privacy] secure_aggregation = true`, two rounds of one local step. (A server
-side SIGKILLed and started again is test_federated.py's scenario: the same round loop, whether
-the round is secure or not; that a secure round asked again gives the same bytes is checked with
-fresh keys in tests/unit/test_federated_secagg_parts.py.)
+127.0.0.1, `[federated.privacy] secure_aggregation = true`, one round of one local step (each
+secure round is four Flower messages, a ClientApp process start each on every SuperNode). What a
+second round adds is the round loop's, the same whether the round is secure or not: rounds that
+start from the last one's adapter, and a server side SIGKILLed and started again, are
+test_federated.py's scenario; that a secure round asked again gives the same bytes is checked with
+fresh keys in tests/unit/test_federated_secagg_parts.py.
 
 Each round runs Flower's SecAggPlusWorkflow (server) and secaggplus_mod (clients) around lodger's
 round. The server never sees a client's adapter, so the check that it aggregated right is made
@@ -25,11 +27,11 @@ from test_federated import _client_home, _committed_rounds, _events, _finished, 
 
 from lodger.federated import processes
 
-ROUNDS = 2
+ROUNDS = 1
 CLIENTS = ("alice", "bob")
 
 
-def test_two_secure_rounds_aggregate_to_the_fedavg_of_what_was_contributed(
+def test_a_secure_round_aggregates_to_the_fedavg_of_what_was_contributed(
         tiny_model_dir, tmp_path, monkeypatch):
     from lodger.federated.aggregate import Update, fedavg, tensors_sha256
     from lodger.federated.rounds import RoundStore, safetensors_tensors

@@ -39,15 +39,30 @@ def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runtime(tmp_path_factory: pytest.TempPathFactory) -> int:
-    """The runtime's resident size (torch, transformers, peft imported in a fresh process), measured
-    once for the module's measured tests: each test's home is new, so each would probe it again
-    (a fresh interpreter, a few seconds). The first test below probes in its own home, and checks
-    the result is cached there."""
+def runtime_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A home whose cache holds the runtime's resident size (torch, transformers, peft imported in
+    a fresh process, two threads), measured once for the module's measured tests: each test's home
+    is new, so each would probe it again (a fresh interpreter, a few seconds). The first test
+    below probes in its own home, and checks the result is cached there."""
     home = tmp_path_factory.mktemp("runtime_home")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LODGER_HOME", str(home))
-        return memory.runtime_bytes(threads=2, use_current=False)
+        memory.runtime_bytes(threads=2, use_current=False)
+    return home
+
+
+@pytest.fixture(scope="module")
+def runtime(runtime_home: Path) -> int:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LODGER_HOME", str(runtime_home))
+        return memory.runtime_bytes(threads=2, use_current=False)  # from the cache
+
+
+def seed_runtime_cache(home: Path, runtime_home: Path) -> None:
+    """The measured runtime into a test's own home, for a command that would otherwise probe it."""
+    import shutil
+
+    shutil.copytree(runtime_home / "cache" / "runtime", home / "cache" / "runtime", dirs_exist_ok=True)
 
 
 def test_estimate_is_within_15_percent_of_measured_peak_rss_on_tiny_models(wide_model_dir: Path,
@@ -220,13 +235,14 @@ def test_a_config_without_the_architecture_is_an_error_naming_the_keys() -> None
                         runtime_bytes=RUNTIME)
 
 
-def test_estimate_command_prints_json(tiny_model_dir: Path, chat_data: dict, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture) -> None:
+def test_estimate_command_prints_json(tiny_model_dir: Path, chat_data: dict, tmp_path: Path, lodger_home: Path,
+                                      runtime_home: Path, capsys: pytest.CaptureFixture) -> None:
     from lodger.cli.estimate import estimate
 
+    seed_runtime_cache(lodger_home, runtime_home)
     job = tmp_path / "job.toml"
     job.write_text(f'[model]\nsource = "{tiny_model_dir}"\n[data]\ntrain = "{chat_data["train"]}"\n'
-                   f'max_length = 64\n[training]\nsteps = 10\nbatch_size = 2\nthreads = 1\n')
+                   f'max_length = 64\n[training]\nsteps = 10\nbatch_size = 2\nthreads = 2\n')
     estimate.main([str(job), "--json"], standalone_mode=False)
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is True
@@ -264,7 +280,8 @@ def big_vocab_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
 
 
 def test_estimate_is_within_10_percent_of_measure_on_a_small_model_with_variable_length_chats(
-        big_vocab_model_dir: Path, tmp_path: Path, lodger_home: Path, capsys: pytest.CaptureFixture) -> None:
+        big_vocab_model_dir: Path, tmp_path: Path, lodger_home: Path, runtime_home: Path,
+        capsys: pytest.CaptureFixture) -> None:
     """The case issue 15 found 1.25x off: the logits made the peak, and with two layers the backward
     pass's gradients of one layer are a visible part of it. The loss now takes the head a chunk of
     labelled positions at a time (train/loss.py), so the logits item is those chunks, no longer
@@ -282,6 +299,7 @@ def test_estimate_is_within_10_percent_of_measure_on_a_small_model_with_variable
     spec.loader.exec_module(chats)
     train = tmp_path / "chats.jsonl"
     chats.write(train, 64, 256, 96.0, 0.9, 0, *chats.calibrate(load_tokenizer(big_vocab_model_dir)))
+    seed_runtime_cache(lodger_home, runtime_home)
     job = tmp_path / "job.toml"
     job.write_text(f'[model]\nsource = "{big_vocab_model_dir}"\n[data]\ntrain = "{train}"\nmax_length = 256\n'
                    f'[training]\nsteps = 10\nbatch_size = 2\nthreads = 2\n')
