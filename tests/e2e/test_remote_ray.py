@@ -4,8 +4,9 @@ An approved job (a Plan as the gate builds it) is submitted through Ray's job su
 the Ray job runs the same lodger training in its own home under the target's storage folder;
 `lodger sync`, `show`, `logs`, `pause`, `resume` and `cancel` work on it from here. The results
 are compared bitwise with the uninterrupted local baseline of the same job and thread count.
-One scenario stages to an s3:// target (a moto S3 server on 127.0.0.1) instead of a folder; it is
-here rather than beside the other storage tests so that the module's one Ray head serves it.
+The single-rank scenario stages to an s3:// target (a moto S3 server on 127.0.0.1) through the
+gate: it is here rather than beside the other storage tests so that the module's one Ray head
+serves it, and it is the one place a run goes through the gate, dies there and comes home.
 """
 
 from __future__ import annotations
@@ -246,62 +247,6 @@ def _remote_events(info: dict) -> list[str]:
     return [e["data"]["remote_kind"] for e in info["events"] if e["kind"] == "remote_event"]
 
 
-def test_a_job_through_the_gate_killed_there_mid_run_resumes_and_its_results_come_home_bitwise_equal(
-        ray_head, standard_job, baseline, lodger_home, tmp_path):
-    # One scenario for the remote path's promises (a run there costs a Ray job and a fresh lodger
-    # process on the head): submitted as a user does it, through the gate; the worker SIGKILLed
-    # mid-run; `lodger status` finds it crashed; `lodger resume` resubmits it; the results come
-    # home bitwise equal to the same job run here; the ledger, the logs and the audit say so.
-    from lodger.owner.runlock import lock_pid
-
-    env = lodger_env(lodger_home, **RAY_ENV)
-    run_id = _submit_through_gate(standard_job, ray_head, env, tmp_path)
-    assert show(run_id, env)["run"]["status"] in ("submitted", "created", "running")
-    remote = _remote_dir(ray_head, run_id)
-    wait_until(lambda: (remote / "metrics.jsonl").exists(), 300, what="the remote run to start", interval=0.05)
-    wait_for_step(remote, 10, timeout=300)
-    pid = lock_pid(remote)
-    assert pid, "the remote run's lock names no pid"
-    os.kill(pid, signal.SIGKILL)
-
-    # No `lodger sync`: `lodger status` asks Ray itself and records the job that died without a word.
-    def crashed_in_status():
-        result = run_lodger(["status", "--json"], env)
-        assert result.returncode == 0 and "unreachable" not in result.stderr, describe(result)
-        row = next(r for r in json.loads(result.stdout)["runs"] if r["id"] == run_id)
-        return row if row["status"] == "crashed" else None
-
-    row = wait_until(crashed_in_status, 240, what=f"`lodger status` to show run {run_id} crashed", interval=0.2)
-    assert row["cluster_unreachable"] is None
-    ended = [e for e in show(run_id, env)["events"] if e["kind"] == "remote_job_ended"]
-    assert len(ended) == 1 and ended[0]["data"]["ray_status"] == "FAILED", ended
-    crashed = _sync(run_id, env)
-    assert crashed["status"] == "crashed" and crashed["ray_status"] == "FAILED", crashed
-    assert crashed["step"] < TOTAL_STEPS
-
-    resumed = run_lodger(["resume", run_id], env)
-    assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
-    info = _wait_synced(run_id, env, ("finished",))
-    assert info["submission_id"].endswith("-s1")
-    assert info["checkpoints"][-2:] == ["step-00000020", "step-00000024"], info
-    local = run_dir_of(run_id, env)
-    assert train_records(local) == baseline.records
-    assert final_adapter_bytes(local) == baseline.adapter
-
-    shown = show(run_id, env)
-    assert shown["run"]["target"] == "test-ray" and shown["run"]["step"] == TOTAL_STEPS
-    assert shown["last_train"]["step"] == TOTAL_STEPS  # metrics are in the local ledger
-    assert {"created", "started", "checkpoint", "resumed", "finished"} <= set(_remote_events(shown))
-    assert event_kinds(shown).count("remote_submitted") == 2 and "remote_job_ended" in event_kinds(shown)
-
-    logs = run_lodger(["logs", run_id], env)
-    assert logs.returncode == 0 and "finished: 24 steps" in logs.stdout, describe(logs)
-    ray_logs = run_lodger(["logs", run_id, "--ray"], env)
-    assert ray_logs.returncode == 0 and "lodger.remote.worker" in ray_logs.stdout, describe(ray_logs)
-    audit = run_lodger(["audit"], env)
-    assert audit.returncode == 0, describe(audit)
-
-
 def test_remote_wall_time_limit_stops_the_job_with_a_committed_checkpoint(ray_head, e2e_data, tiny_model_dir,
                                                                           lodger_home, tmp_path):
     env = lodger_env(lodger_home, **RAY_ENV)
@@ -402,13 +347,15 @@ def test_two_ray_train_workers_killed_and_resumed_end_bitwise_equal_to_two_ranks
     _assert_equal_to_two_ranks_here(run_dir_of(run_id, env), info, ddp_baseline)
 
 
-def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s3_server, ray_head, standard_job,
-                                                                      baseline, lodger_home, tmp_path, monkeypatch):
-    """Through the gate to an s3:// target on a real Ray head: the job stages to and commits
-    checkpoints in the bucket; `pause` reaches it as an object it polls; `resume` continues from
-    the bucket on a fresh scratch home; its training process is SIGKILLed and resumed again; `sync`
-    brings everything home bitwise equal to a local run. Nothing secret lands in the bucket, the
-    ledger or a job file."""
+def test_a_job_through_the_gate_to_s3_paused_killed_there_and_resumed_comes_home_bitwise_equal(
+        s3_bucket, s3_server, ray_head, standard_job, baseline, lodger_home, tmp_path, monkeypatch):
+    """The remote path's one single-rank scenario (a run there costs a Ray job and a fresh lodger
+    process on the head), submitted as a user does it: through the gate to an s3:// target on a
+    real Ray head. The job stages to and commits checkpoints in the bucket; `pause` reaches it as
+    an object it polls; `resume` continues from the bucket on a fresh scratch home; its training
+    process is SIGKILLed mid-run, and `lodger status` (no sync) finds it crashed; `resume` again,
+    and `sync` brings everything home bitwise equal to a local run; the ledger, the logs and the
+    audit say so. Nothing secret lands in the bucket, the ledger or a job file."""
     import secrets
     import tempfile
 
@@ -441,8 +388,20 @@ def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s
     pid = lock_pid(scratch)
     assert pid, "the training process's lock names no pid"
     os.kill(pid, signal.SIGKILL)
-    crashed = _wait_synced(run_id, env, ("crashed",))
-    assert crashed["ray_status"] == "FAILED" and crashed["step"] < 24, crashed
+
+    # No `lodger sync`: `lodger status` asks Ray itself and records the job that died without a word.
+    def crashed_in_status():
+        result = run_lodger(["status", "--json"], env)
+        assert result.returncode == 0 and "unreachable" not in result.stderr, describe(result)
+        row = next(r for r in json.loads(result.stdout)["runs"] if r["id"] == run_id)
+        return row if row["status"] == "crashed" else None
+
+    row = wait_until(crashed_in_status, 240, what=f"`lodger status` to show run {run_id} crashed", interval=0.2)
+    assert row["cluster_unreachable"] is None
+    ended = [e["data"] for e in show(run_id, env)["events"] if e["kind"] == "remote_job_ended"]
+    assert ended and ended[-1]["ray_status"] == "FAILED", ended
+    crashed = _sync(run_id, env)
+    assert crashed["status"] == "crashed" and crashed["ray_status"] == "FAILED" and crashed["step"] < 24, crashed
 
     resumed = run_lodger(["resume", run_id], env)
     assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
@@ -452,9 +411,14 @@ def test_a_job_on_s3_stages_commits_syncs_and_resumes_bitwise_equal(s3_bucket, s
     assert train_records(local) == baseline.records
     assert final_adapter_bytes(local) == baseline.adapter
     shown = show(run_id, env)
+    assert shown["run"]["target"] == "test-ray" and shown["run"]["step"] == TOTAL_STEPS
     assert {"created", "started", "checkpoint", "resumed", "finished"} <= set(_remote_events(shown))
     assert event_kinds(shown).count("remote_submitted") == 3 and "remote_job_ended" in event_kinds(shown)
     assert shown["last_train"]["step"] == 24  # metrics came home through the event log
+    logs = run_lodger(["logs", run_id], env)
+    assert logs.returncode == 0 and "finished: 24 steps" in logs.stdout, describe(logs)
+    ray_logs = run_lodger(["logs", run_id, "--ray"], env)
+    assert ray_logs.returncode == 0 and "lodger.remote.worker" in ray_logs.stdout, describe(ray_logs)
     audit = run_lodger(["audit"], env)
     assert audit.returncode == 0, describe(audit)
 
