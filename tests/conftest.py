@@ -33,7 +33,8 @@ _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-from fixtures_lib import build_tiny_model, built_once, write_chat_jsonl, write_text_jsonl  # noqa: E402
+from fixtures_lib import (build_tiny_model, built_once, measure_runtime_memos, write_chat_jsonl,  # noqa: E402
+                          write_text_jsonl)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -135,6 +136,14 @@ def tiny_model_dir(shared_root: Path) -> Path:
     """A tiny random Llama model folder, built once per session. Do not modify it;
     copy it (shutil.copytree) first if a test needs to."""
     return built_once(shared_root, "tiny_model", lambda folder: build_tiny_model(folder / "model", seed=0)) / "model"
+
+
+@pytest.fixture(scope="session")
+def runtime_memos(shared_root: Path) -> Path:
+    """The training runtime's size for one thread, measured once per session (the cache folder a
+    home keeps it in): for tests whose processes would each probe it again in a new home of their
+    own, out of the fork server's reach (Flower's ClientApps). fixtures_lib.seed_runtime_memos."""
+    return built_once(shared_root, "runtime_memos", measure_runtime_memos) / "home" / "cache" / "runtime"
 
 
 @pytest.fixture

@@ -38,11 +38,15 @@ def _job(tmp_path: Path, model: Path, *, rounds: int = ROUNDS, local_steps: int 
                                           "round_timeout_seconds": 600.0}})
 
 
-def _client_home(tmp_path: Path, name: str, seed: int) -> Path:
-    from fixtures_lib import write_chat_jsonl
+def _client_home(tmp_path: Path, name: str, seed: int, runtime_memos: Path) -> Path:
+    """A client's home with its registered dataset, and the runtime's measured size in its cache
+    (the fixture's: each round's local run is made inside a ClientApp, out of the fork server's
+    reach, and would otherwise probe it again in every new home, on the round's critical path)."""
+    from fixtures_lib import seed_runtime_memos, write_chat_jsonl
 
     home = tmp_path / f"home-{name}"
     home.mkdir(mode=0o700)
+    seed_runtime_memos(home, runtime_memos)
     data = write_chat_jsonl(tmp_path / f"{name}.jsonl", 12 + 4 * seed, seed=10 + seed)
     result = run_lodger(["data", "add", data, "--name", f"{name}-notes", "--license", "CC0-1.0", "--owner", name,
                          "--federate"], lodger_env(home))
@@ -132,10 +136,10 @@ def _reference(tmp_path: Path, job: Path, homes: dict[str, Path], monkeypatch) -
     return tensors
 
 
-def test_two_clients_two_rounds_survive_a_server_kill_and_match_the_reference(tiny_model_dir, tmp_path,
-                                                                              monkeypatch):
+def test_two_clients_two_rounds_survive_a_server_kill_and_match_the_reference(tiny_model_dir, runtime_memos,
+                                                                              tmp_path, monkeypatch):
     job = _job(tmp_path, tiny_model_dir)
-    homes = {name: _client_home(tmp_path, name, seed) for seed, name in enumerate(CLIENTS)}
+    homes = {name: _client_home(tmp_path, name, seed, runtime_memos) for seed, name in enumerate(CLIENTS)}
     port = processes.free_port()
     superlink = f"127.0.0.1:{port}"
     started: list[processes.Started] = []
@@ -232,7 +236,7 @@ def test_two_clients_two_rounds_survive_a_server_kill_and_match_the_reference(ti
     assert all(reference[k].tobytes() == final[k].tobytes() for k in final), "final adapter differs from reference"
 
 
-def test_one_client_one_step_first_round_equals_a_local_run(tiny_model_dir, tmp_path, monkeypatch):
+def test_one_client_one_step_first_round_equals_a_local_run(tiny_model_dir, runtime_memos, tmp_path, monkeypatch):
     """With one client and one local step, round 1's global adapter is the adapter of a local
     `lodger run` of that step on the same data, bit for bit (fresh AdamW per round, so after
     round 1 a federated run and one long local run part: documented in client.py)."""
@@ -243,7 +247,7 @@ def test_one_client_one_step_first_round_equals_a_local_run(tiny_model_dir, tmp_
     from lodger.federated.messages import RoundOrder
 
     job = _job(tmp_path, tiny_model_dir, rounds=1, local_steps=1, min_clients=1)
-    home = _client_home(tmp_path, "alice", 0)
+    home = _client_home(tmp_path, "alice", 0, runtime_memos)
     monkeypatch.setenv("LODGER_HOME", str(home))
     sent, facts = train_round(job, "alice", "alice-notes", RoundOrder(1, "one", 1, {}, tensors_sha256({}), 0))
     global_adapter = fedavg([Update("alice", facts["tokens"], sent)])
@@ -260,8 +264,8 @@ def test_one_client_one_step_first_round_equals_a_local_run(tiny_model_dir, tmp_
     assert all(reference[k].tobytes() == global_adapter[k].tobytes() for k in reference)
 
 
-def test_a_client_killed_mid_round_finishes_the_paid_steps_from_its_checkpoint(tiny_model_dir, tmp_path,
-                                                                               monkeypatch):
+def test_a_client_killed_mid_round_finishes_the_paid_steps_from_its_checkpoint(tiny_model_dir, runtime_memos,
+                                                                               tmp_path, monkeypatch):
     """`interrupted_client = "finish"`: the ClientApp process dies (SIGKILL) after its first local
     step is committed; asked the same round again, it resumes that run from its checkpoint and
     sends an adapter bitwise equal to an uninterrupted round."""
@@ -273,7 +277,7 @@ def test_a_client_killed_mid_round_finishes_the_paid_steps_from_its_checkpoint(t
     from lodger.federated.messages import RoundOrder
 
     job = _job(tmp_path, tiny_model_dir, rounds=1, local_steps=2, min_clients=1)
-    home = _client_home(tmp_path, "alice", 0)
+    home = _client_home(tmp_path, "alice", 0, runtime_memos)
     script = ("import sys; from pathlib import Path; from lodger.federated.client import train_round; "
               "from lodger.federated.messages import RoundOrder; "
               "train_round(Path(sys.argv[1]), 'alice', 'alice-notes', RoundOrder(1, 'killed', 2, {}, sys.argv[2], 0))")

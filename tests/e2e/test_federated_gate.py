@@ -60,14 +60,15 @@ def expected_tensors(model: Path, rank: int) -> dict[str, int]:
 
 
 def test_the_gate_then_a_held_owner_declines_and_the_round_goes_on_with_the_other(
-        tmp_path: Path, lodger_home: Path, tiny_model_dir: Path, chat_data: dict[str, Path],
+        tmp_path: Path, lodger_home: Path, tiny_model_dir: Path, chat_data: dict[str, Path], runtime_memos: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from fixtures_lib import write_chat_jsonl
+    from fixtures_lib import seed_runtime_memos, write_chat_jsonl
     from lodger.federated.owner import round_verdict
     from lodger.federated.processes import free_port, start_superlink
     from lodger.ledger import Ledger
 
     home = lodger_home
+    seed_runtime_memos(home, runtime_memos)  # as in test_federated's client homes: no probe inside the round
     lodger(["data", "add", chat_data["train"], "--name", "clinic-a", "--license", "proprietary", "--owner", "alice",
             "--leave"], home)
     placeholder = tmp_path / "placeholder.jsonl"  # one job file for every machine: each names its dataset
@@ -110,11 +111,13 @@ def test_the_gate_then_a_held_owner_declines_and_the_round_goes_on_with_the_othe
     #    the approval carries the plan.
     bob = tmp_path / "home-bob"
     bob.mkdir(mode=0o700)
+    seed_runtime_memos(bob, runtime_memos)
     lodger(["data", "add", write_chat_jsonl(tmp_path / "bob.jsonl", 12, seed=11), "--name", "clinic-b", "--license",
             "proprietary", "--owner", "bob", "--federate"], bob)
     lodger(["federate", job, "--dataset", "clinic-b", "--hold"], bob)
     server = tmp_path / "home-server"
     server.mkdir(mode=0o700)
+    seed_runtime_memos(server, runtime_memos)
     link = start_superlink(server, free_port(), env={"LODGER_HOME": str(server)})
     nodes: list[int] = []
     try:

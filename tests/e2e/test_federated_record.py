@@ -45,11 +45,12 @@ def _federate(tmp_path: Path, job: Path, homes: dict, server_home: Path, monkeyp
     return hashes
 
 
-def test_compare_reports_the_gap_per_round_and_export_carries_the_rounds(tiny_model_dir, tmp_path, monkeypatch):
+def test_compare_reports_the_gap_per_round_and_export_carries_the_rounds(tiny_model_dir, runtime_memos, tmp_path,
+                                                                         monkeypatch):
     from fixtures_lib import write_chat_jsonl
 
     job = _job(tmp_path, tiny_model_dir, rounds=2, local_steps=1)
-    homes = {name: _client_home(tmp_path, name, seed) for seed, name in enumerate(CLIENTS)}
+    homes = {name: _client_home(tmp_path, name, seed, runtime_memos) for seed, name in enumerate(CLIENTS)}
     server_home = tmp_path / "home-server"
     server_home.mkdir(mode=0o700)
     hashes = _federate(tmp_path, job, homes, server_home, monkeypatch, rounds=2)

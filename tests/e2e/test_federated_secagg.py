@@ -32,13 +32,13 @@ CLIENTS = ("alice", "bob")
 
 
 def test_a_secure_round_aggregates_to_the_fedavg_of_what_was_contributed(
-        tiny_model_dir, tmp_path, monkeypatch):
+        tiny_model_dir, runtime_memos, tmp_path, monkeypatch):
     from lodger.federated.aggregate import Update, fedavg, tensors_sha256
     from lodger.federated.rounds import RoundStore, safetensors_tensors
 
     job = _job(tmp_path, tiny_model_dir, rounds=ROUNDS, local_steps=1)
     job.write_text(job.read_text() + "\n[federated.privacy]\nsecure_aggregation = true\nsecagg_clipping_range = 2.0\n")
-    homes = {name: _client_home(tmp_path, name, seed) for seed, name in enumerate(CLIENTS)}
+    homes = {name: _client_home(tmp_path, name, seed, runtime_memos) for seed, name in enumerate(CLIENTS)}
     port = processes.free_port()
     superlink = f"127.0.0.1:{port}"
     server_home = tmp_path / "home-server"
