@@ -57,6 +57,19 @@ def test_rows_written_through_the_ledger_agree_with_the_chain_through_truncation
     assert problems() == []
 
 
+def test_a_truncation_that_drops_the_eval_at_its_own_step_agrees_with_the_chain():
+    """A resume from a checkpoint with no result for its step's eval (a release abandoned it)
+    drops that eval's row too (it runs again); the audit's replay drops the same row."""
+    with Ledger() as ledger:
+        a_run(ledger)
+        ledger.add_metrics("run-a", 0, [{"kind": "train", "step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
+                           + [{"kind": "eval", "step": 2, "eval_loss": 0.5}])
+        assert ledger.truncate_metrics("run-a", 2, eval_kept=False) == 2  # train 3 and the eval at 2
+        assert [m["step"] for m in ledger.metrics("run-a", "eval")] == []
+        assert [m["step"] for m in ledger.metrics("run-a")] == [1, 2]
+    assert problems() == []
+
+
 def test_a_deleted_metric_row_an_inserted_one_and_an_inserted_run_are_named():
     with Ledger() as ledger:
         a_run(ledger)

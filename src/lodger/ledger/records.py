@@ -201,7 +201,9 @@ class Records:
                 rows.update({k: (h, seq) for k, h in data.get("rows", {}).items()})
             elif kind == "metrics_truncated":
                 rows = self.metrics.setdefault(run_id, {})
-                for k in [k for k in rows if int(k.split(":")[1]) > data["after_step"]]:
+                after = int(data["after_step"])
+                dropped = metric_key("eval", after) if data.get("eval_dropped") else None
+                for k in [k for k in rows if int(k.split(":")[1]) > after or k == dropped]:
                     del rows[k]
             elif kind == "provenance":
                 self.provenance.setdefault(run_id, {})[int(data["segment"])] = (data["sha256"], seq)
