@@ -448,21 +448,16 @@ def measure_runtime_memos(folder: Path, threads: tuple[int, ...] = (1,)) -> None
     """What lodger's pre-flight measures once per home (the training runtime's resident size: a
     fresh interpreter importing torch, transformers and peft, 5-6 s of a 2-core machine), measured
     in ``folder/home`` for each thread count; ``seed_runtime_memos`` copies it into a new home."""
+    import pytest
+
     from lodger.home import private_mkdir
     from lodger.memory.measure import runtime_bytes
 
-    home = folder / "home"
-    private_mkdir(home)
-    before = os.environ.get("LODGER_HOME")
-    os.environ["LODGER_HOME"] = str(home)
-    try:
+    home = private_mkdir(folder / "home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LODGER_HOME", str(home))
         for count in threads:
             runtime_bytes(threads=count, use_current=False)
-    finally:
-        if before is None:
-            os.environ.pop("LODGER_HOME", None)
-        else:
-            os.environ["LODGER_HOME"] = before
 
 
 def seed_runtime_memos(home: Path, memos: Path) -> None:

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from fixtures_lib import write_chat_jsonl
-from helpers import (checkpoint_dirs, describe, eval_losses, final_adapter_bytes, killed_by_sigkill,
-                     lodger_env, read_metrics,
-                     run_dir_of, run_lodger, start_lodger, train_records, wait_until, write_job)
+from helpers import (checkpoint_dirs, describe, eval_losses, final_adapter_bytes, killed_by_sigkill, lodger_env,
+                     read_metrics, run_dir_of, run_lodger, start_lodger, train_records, wait_until, write_job)
 from lodger.owner.control import clear_request, notify, run_state, write_request
 from lodger.owner.runlock import is_locked, lock_pid
 

@@ -3,13 +3,14 @@ and exported (one scenario: the first load dequantises the GGUF into the home's 
 every run here shares).
 
 A SIGKILL after step 3 and a resume end bitwise equal to the uninterrupted run. Then the resumed
-run's export: the adapter ships its base (the Q4_1 file dequantised to fp32, as trained against; the hub id it was
-converted from is only named in the card); the card says it was trained against the Q4_1 file; the
-merged folder equals lodger's model with the adapter; the GGUF carries the source file's tokenizer
-and, read back by transformers, equals the merged model (f32). Then a stranger (stranger.py: lodger's
-cache hidden, a fresh HF_HOME, offline, no lodger) loads (a) the adapter on the shipped base, (b)
-merged/ with its tokenizer and chat template, (c) the GGUF in llama.cpp, whose tokens for the chat
-prompt and greedy tokens equal the merged model's; (d) the Modelfile parses by Ollama's grammar.
+run's export: the adapter ships its base (the Q4_1 file dequantised to fp32, as trained against; the
+hub id it was converted from is only named in the card); the card says it was trained against the
+Q4_1 file; the merged folder equals lodger's model with the adapter; the GGUF carries the source
+file's tokenizer and, read back by transformers, equals the merged model (f32). Then a stranger
+(stranger.py: lodger's cache hidden, a fresh HF_HOME, offline, no lodger) loads (a) the adapter on
+the shipped base, (b) merged/ with its tokenizer and chat template, (c) the GGUF in llama.cpp, whose
+tokens for the chat prompt and greedy tokens equal the merged model's; (d) the Modelfile parses by
+Ollama's grammar.
 """
 
 from __future__ import annotations

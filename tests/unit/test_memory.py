@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from fixtures_lib import build_tiny_model
+from fixtures_lib import build_tiny_model, measure_runtime_memos, seed_runtime_memos
 
 from lodger.memory import estimate as memory
 from lodger.config import JobConfig
@@ -44,11 +44,9 @@ def runtime_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     a fresh process, two threads), measured once for the module's measured tests: each test's home
     is new, so each would probe it again (a fresh interpreter, a few seconds). The first test
     below probes in its own home, and checks the result is cached there."""
-    home = tmp_path_factory.mktemp("runtime_home")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LODGER_HOME", str(home))
-        memory.runtime_bytes(threads=2, use_current=False)
-    return home
+    folder = tmp_path_factory.mktemp("runtime_home")
+    measure_runtime_memos(folder, threads=(2,))
+    return folder / "home"
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +54,6 @@ def runtime(runtime_home: Path) -> int:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LODGER_HOME", str(runtime_home))
         return memory.runtime_bytes(threads=2, use_current=False)  # from the cache
-
-
-def seed_runtime_cache(home: Path, runtime_home: Path) -> None:
-    """The measured runtime into a test's own home, for a command that would otherwise probe it."""
-    import shutil
-
-    shutil.copytree(runtime_home / "cache" / "runtime", home / "cache" / "runtime", dirs_exist_ok=True)
 
 
 def test_estimate_is_within_15_percent_of_measured_peak_rss_on_tiny_models(wide_model_dir: Path,
@@ -239,7 +230,7 @@ def test_estimate_command_prints_json(tiny_model_dir: Path, chat_data: dict, tmp
                                       runtime_home: Path, capsys: pytest.CaptureFixture) -> None:
     from lodger.cli.estimate import estimate
 
-    seed_runtime_cache(lodger_home, runtime_home)
+    seed_runtime_memos(lodger_home, runtime_home / "cache" / "runtime")
     job = tmp_path / "job.toml"
     job.write_text(f'[model]\nsource = "{tiny_model_dir}"\n[data]\ntrain = "{chat_data["train"]}"\n'
                    f'max_length = 64\n[training]\nsteps = 10\nbatch_size = 2\nthreads = 2\n')
@@ -299,7 +290,7 @@ def test_estimate_is_within_10_percent_of_measure_on_a_small_model_with_variable
     spec.loader.exec_module(chats)
     train = tmp_path / "chats.jsonl"
     chats.write(train, 64, 256, 96.0, 0.9, 0, *chats.calibrate(load_tokenizer(big_vocab_model_dir)))
-    seed_runtime_cache(lodger_home, runtime_home)
+    seed_runtime_memos(lodger_home, runtime_home / "cache" / "runtime")
     job = tmp_path / "job.toml"
     job.write_text(f'[model]\nsource = "{big_vocab_model_dir}"\n[data]\ntrain = "{train}"\nmax_length = 256\n'
                    f'[training]\nsteps = 10\nbatch_size = 2\nthreads = 2\n')
