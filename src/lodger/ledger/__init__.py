@@ -259,10 +259,9 @@ class Ledger:
             gone = self.db.execute("DELETE FROM metrics WHERE run_id=? AND (step>? OR (step=? AND kind='eval' AND ?))",
                                    (run_id, after_step, after_step, not eval_kept)).rowcount
             if gone:
-                data: dict[str, Any] = {"after_step": after_step, "rows": gone}
-                if not eval_kept:
-                    data["eval_dropped"] = True  # the audit's replay drops that row too (records.py)
-                self._append_event(run_id, "metrics_truncated", data)
+                # the audit's replay drops the eval row too when the event says so (records.py)
+                dropped: dict[str, Any] = {} if eval_kept else {"eval_dropped": True}
+                self._append_event(run_id, "metrics_truncated", {"after_step": after_step, "rows": gone, **dropped})
         return gone
 
     def metrics(self, run_id: str, kind: str = "train") -> list[dict]:
