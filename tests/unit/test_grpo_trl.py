@@ -200,3 +200,20 @@ def test_advantages_follow_trls_normalisation_with_none_and_equal_groups():
     assert advantage[6] == 0.0  # the unscorable completion moves nothing
     unscaled = advantages(table, weights, 4, scale=False)[1]
     assert torch.equal(unscaled, torch.nan_to_num(rewards - mean, nan=0.0))
+
+
+def test_nanstd_is_trls_to_the_bit_on_random_groups_with_nan():
+    # One hand-made table agreed to the bit on one CPU and not on another (the Bessel correction
+    # applied as ``variance * count / (count - 1)``, not TRL's rounded ``count / (count - 1)``):
+    # many random groups of every size, with NaN holes, catch an order of operations anywhere.
+    from trl.trainer.utils import nanstd as trls
+
+    from lodger.train.rollout import nanstd
+
+    generator = torch.Generator().manual_seed(0)
+    for size in range(1, 9):
+        values = torch.randn(200, size, generator=generator) * torch.rand(200, 1, generator=generator) * 10
+        values[torch.rand(200, size, generator=generator) < 0.3] = torch.nan
+        ours, theirs = nanstd(values, dim=1), trls(values, dim=1)
+        assert torch.equal(torch.isnan(ours), torch.isnan(theirs)), size
+        assert torch.equal(ours.nan_to_num(), theirs.nan_to_num()), (size, (ours - theirs).abs().nan_to_num().max())

@@ -173,11 +173,13 @@ def layout(prompt_ids: list[list[int]], completions: list[list[int]], pad_id: in
 
 
 def nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
-    """TRL's nanstd: the Bessel-corrected standard deviation ignoring NaN."""
+    """TRL's nanstd: the Bessel-corrected standard deviation ignoring NaN, in its order of operations
+    (the correction rounded first: ``variance * count / (count - 1)`` differs in the last bit)."""
     mean = torch.nanmean(values, dim=dim, keepdim=True)
     variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
     count = torch.sum(~torch.isnan(values), dim=dim, keepdim=True)
-    return torch.sqrt(variance * count / (count - 1)).squeeze(dim)
+    correction = torch.where(count > 1, count / (count - 1), torch.nan)
+    return torch.sqrt(variance * correction).squeeze(dim)
 
 
 def advantages(table: torch.Tensor, weights: torch.Tensor, group: int, scale: bool) -> tuple[torch.Tensor, ...]:
