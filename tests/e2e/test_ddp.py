@@ -1,8 +1,9 @@
 """Data-parallel training: two ranks through torchrun on the CPU (gloo on 127.0.0.1).
 
-An uninterrupted two-process run is the baseline here; the same job killed like a power cut (a
-SIGKILL of `lodger run`; torchrun and the ranks die with it) and resumed ends bitwise
-equal to it; resuming with another number of processes is refused before anything starts.
+An uninterrupted two-process run is the baseline here; the same job stopped by SIGTERM (both ranks
+at one checkpoint), resumed, killed like a power cut (a SIGKILL of `lodger resume`; torchrun and the
+ranks die with it) and resumed again ends bitwise equal to it; resuming with another number of
+processes is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -43,18 +44,32 @@ def _workers_of(run_id: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def _killed_ddp(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> tuple[Path, str, list[str]]:
-    """The two-rank job, SIGKILLed (`lodger run` and, through it, torchrun and both ranks) once step 4 is committed."""
+def _killed_ddp(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> dict:
+    """The two-rank job, stopped by SIGTERM once step 4 is committed, then resumed and SIGKILLed
+    (`lodger resume` and, through it, torchrun and both ranks) once step 12 is committed: one run
+    for both ways a run is stopped, since each start of two ranks costs seconds of imports."""
     home = tmp_path_factory.mktemp("ddp_killed_home")
     env = lodger_env(home)
-    proc = start_lodger(["run", ddp_job, "--quiet"], env, log_dir=home.parent / "ddp_killed_logs")
+    logs = home.parent / "ddp_killed_logs"
+    proc = start_lodger(["run", ddp_job, "--quiet"], env, log_dir=logs)
     try:
         run_id = proc.run_id()
         folder = run_dir_of(run_id, env)
         wait_until(lambda: ckpt(4) in checkpoint_dirs(folder), 120, proc.proc, what="checkpoint step 4",
                    output=proc)
+        proc.kill(signal.SIGTERM)
+        termed = proc.wait()
+    finally:
+        proc.close()
+    sigterm = {"exit": termed, "output": describe(proc), "run": show(run_id, env)["run"],
+               "committed": checkpoint_dirs(folder), "workers": _workers_of(run_id)}
+
+    proc = start_lodger(["resume", run_id, "--quiet"], env, log_dir=logs)
+    try:
+        wait_until(lambda: ckpt(12) in checkpoint_dirs(folder), 120, proc.proc, what="checkpoint step 12",
+                   output=proc)
         tree = _workers_of(run_id)
-        proc.kill(signal.SIGKILL)  # `lodger run`, which became the rank supervisor
+        proc.kill(signal.SIGKILL)  # `lodger resume`, which became the rank supervisor
         assert len(tree) == 2 + WORLD, f"supervisor, torchrun and two ranks expected: {tree}"
         assert killed_by_sigkill(proc.wait()), describe(proc)
         # torchrun and each rank asked the kernel to die with their parent: nothing trains on as an orphan.
@@ -64,15 +79,15 @@ def _killed_ddp(tmp_path_factory: pytest.TempPathFactory, ddp_job: Path) -> tupl
         proc.close()
     committed = checkpoint_dirs(folder)
     assert committed and ckpt(TOTAL_STEPS) not in committed, f"killed too late to test anything: {committed}"
-    return home, run_id, committed
+    return {"home": home, "run_id": run_id, "committed": committed, "sigterm": sigterm}
 
 
 @pytest.fixture
 def killed_ddp(_killed_ddp, lodger_home: Path) -> tuple[str, Path, list[str]]:
     """(run id, run folder, committed checkpoints) of the killed run, copied into this test's home."""
-    src, run_id, committed = _killed_ddp
-    shutil.copytree(src, lodger_home, dirs_exist_ok=True)
-    return run_id, lodger_home / "runs" / run_id, committed
+    run_id = _killed_ddp["run_id"]
+    shutil.copytree(_killed_ddp["home"], lodger_home, dirs_exist_ok=True)
+    return run_id, lodger_home / "runs" / run_id, _killed_ddp["committed"]
 
 
 def test_two_rank_run_trains_once_and_rank_0_commits_every_ranks_state(ddp_baseline):
@@ -94,7 +109,7 @@ def test_two_rank_run_trains_once_and_rank_0_commits_every_ranks_state(ddp_basel
     assert started["data"].get("world_size") == WORLD, started
 
 
-def test_power_cut_of_two_rank_run_then_resume_is_bitwise_equal(killed_ddp, ddp_baseline):
+def test_sigterm_then_a_power_cut_of_two_rank_run_then_resume_is_bitwise_equal(killed_ddp, ddp_baseline):
     run_id, folder, committed = killed_ddp
     result = run_lodger(["resume", run_id, "--quiet"])
     assert result.returncode == 0, describe(result)
@@ -108,10 +123,10 @@ def test_power_cut_of_two_rank_run_then_resume_is_bitwise_equal(killed_ddp, ddp_
     assert stale_entries(folder) == []
     info = show(run_id)
     assert info["run"]["status"] == "finished"
-    assert event_kinds(info).count("resumed") == 1
+    assert event_kinds(info).count("resumed") == 2  # after the SIGTERM, and after the SIGKILL
     # packed ([training] packing = "auto"): each rank trained its share of every step's packs
     segments = json.loads((folder / "provenance.json").read_text())["segments"]
-    assert [s["data"]["packing"]["mode"] for s in segments] == ["segments", "segments"], segments
+    assert [s["data"]["packing"]["mode"] for s in segments] == ["segments"] * 3, segments
 
 
 @pytest.mark.parametrize("other", [1, 3])
@@ -133,24 +148,11 @@ def test_resume_with_another_world_size_is_refused_and_changes_nothing(killed_dd
     assert not os.path.exists(folder / "adapter")
 
 
-def test_sigterm_stops_both_ranks_at_one_checkpoint_and_resume_is_bitwise_equal(ddp_job, ddp_baseline, tmp_path):
-    proc = start_lodger(["run", ddp_job, "--quiet"], log_dir=tmp_path)
-    try:
-        run_id = proc.run_id()
-        folder = run_dir_of(run_id)
-        wait_until(lambda: ckpt(4) in checkpoint_dirs(folder), 120, proc.proc, what="checkpoint step 4",
-                   output=proc)
-        proc.kill(signal.SIGTERM)
-        assert proc.wait() == 0, describe(proc)  # like one process: a checkpoint, then exit 0
-    finally:
-        proc.close()
-    info = show(run_id)
-    assert info["run"]["status"] == "interrupted", info["run"]
-    stopped = info["run"]["step"]
-    assert 4 <= stopped < TOTAL_STEPS
-    assert checkpoint_dirs(folder)[-1] == ckpt(stopped), "both ranks stopped at the step rank 0 chose, saved"
-    assert not _workers_of(run_id)
-    result = run_lodger(["resume", run_id, "--quiet"])
-    assert result.returncode == 0, describe(result)
-    assert train_records(folder) == ddp_baseline["records"]
-    assert final_adapter_bytes(folder) == ddp_baseline["adapter"]
+def test_sigterm_stops_both_ranks_at_one_checkpoint(_killed_ddp):
+    """The first part of the shared run (its resume and the SIGKILL are the test above's)."""
+    stopped = _killed_ddp["sigterm"]
+    assert stopped["exit"] == 0, stopped["output"]  # like one process: a checkpoint, then exit 0
+    assert stopped["run"]["status"] == "interrupted", stopped["run"]
+    assert 4 <= stopped["run"]["step"] < TOTAL_STEPS, stopped["run"]
+    assert stopped["committed"][-1] == ckpt(stopped["run"]["step"]), "both ranks stopped at the step rank 0 chose, saved"
+    assert stopped["workers"] == [], "torchrun and both ranks exited with `lodger run`"
