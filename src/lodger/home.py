@@ -65,6 +65,33 @@ def private_mkdir(path: Path) -> Path:
     return durable.make_dirs(path)
 
 
+def private_temp_dir(parent: Path, name: str, setting: str = "TMPDIR") -> Path:
+    """``parent/NAME-UID``, an owner-only folder for what lodger keeps outside its home (a crash log
+    when the home is unusable, a node's scratch homes) in a folder other users may write to, such as
+    /tmp. Made when missing; one found there must be a real folder (not a link), this user's, and
+    closed to others: whoever could rename it could read what lodger puts there (an owner's data)
+    or swap it for their own. Raises RunStateError, naming the folder and the fix (``setting``, the
+    variable that chose ``parent``), otherwise."""
+    from .errors import RunStateError
+
+    path = durable.make_dirs(Path(parent)) / f"{name}-{os.getuid()}"  # a parent named by a setting may be new
+    try:
+        durable.mkdir(path)
+        durable.fsync_dir(path.parent)  # a crash log's path, told to the user, must outlast a cut
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    problem = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a folder" if not stat.S_ISDIR(st.st_mode)
+               else f"belongs to another user (uid {st.st_uid})" if st.st_uid != os.getuid()
+               else f"is open to other users (mode {mode:04o})" if mode & 0o077 else None)
+    if problem:
+        raise RunStateError(f"{path} {problem}: lodger keeps private files there and will not use it. Remove it "
+                            f"if it is not yours to keep (`rm -r {path}`, as its owner), or set {setting} to a "
+                            "folder only you can write to")
+    return path
+
+
 def runs_dir() -> Path:
     return private_mkdir(home() / "runs")
 

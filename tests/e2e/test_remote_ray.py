@@ -68,6 +68,7 @@ def ray_head():
     temp = Path(tempfile.mkdtemp(prefix="lr-", dir="/tmp"))
     storage = temp / "storage"
     storage.mkdir()
+    scratch = temp / "scratch"  # the node's scratch homes (object storage), this head's alone
     # Every port a head listens on is a free one: another Ray head on this machine (another test
     # module, another user) holds the defaults, and a head whose agent could not bind refuses jobs
     # ("No available agent to submit job").
@@ -83,8 +84,8 @@ def ray_head():
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "true",
          "--dashboard-agent-listen-port", str(agent), "--ray-client-server-port", str(client),
          "--num-cpus", "2", "--temp-dir", str(temp / "ray"), "--disable-usage-stats"],
-        env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        env={**os.environ, **RAY_ENV, "LODGER_WORKER_SCRATCH": str(scratch)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = starter.communicate(timeout=180)
         assert starter.returncode == 0, f"ray start: exit {starter.returncode}\n{out}\n{err}"
@@ -92,7 +93,8 @@ def ray_head():
         # agent to submit job" (the head waits only 10 s for it, which a loaded machine exceeds).
         wait_until(lambda: _answers(f"http://127.0.0.1:{agent}/api/healthz"), 180,
                    what="the Ray job agent to answer", interval=0.2)
-        yield {"address": f"http://127.0.0.1:{dashboard}", "storage": storage}
+        yield {"address": f"http://127.0.0.1:{dashboard}", "storage": storage,
+               "node": scratch / f"lodger-worker-{os.getuid()}"}
     finally:
         # Not `ray stop`: it stops every Ray process of this user on the machine (another test
         # session's too). Ours: the process group `ray start` led, whatever names our temp dir (Ray
@@ -355,9 +357,9 @@ def test_a_job_through_the_gate_to_s3_paused_killed_there_and_resumed_comes_home
     an object it polls; `resume` continues from the bucket on a fresh scratch home; its training
     process is SIGKILLed mid-run, and `lodger status` (no sync) finds it crashed; `resume` again,
     and `sync` brings everything home bitwise equal to a local run; the ledger, the logs and the
-    audit say so. Nothing secret lands in the bucket, the ledger or a job file."""
+    audit say so; the node keeps the runtime's measured size for the next fresh home, and no copy of
+    the run. Nothing secret lands in the bucket, the ledger or a job file."""
     import secrets
-    import tempfile
 
     from lodger.owner.runlock import lock_pid
 
@@ -368,7 +370,7 @@ def test_a_job_through_the_gate_to_s3_paused_killed_there_and_resumed_comes_home
     run_id = _submit_through_gate(standard_job, head, env, tmp_path)
     client, bucket = boto_client(s3_server), s3_bucket.removeprefix("s3://")
 
-    scratch = Path(tempfile.gettempdir()) / "lodger-worker" / run_id / "home" / "runs" / run_id
+    scratch = ray_head["node"] / run_id / "home" / "runs" / run_id
     # Asked at once (the request waits in the bucket until the worker polls it), so that it lands
     # well before the 24 steps end however loaded this machine is.
     paused = run_lodger(["pause", run_id, "--timeout", "300"], env)  # a request object the worker polls
@@ -382,9 +384,17 @@ def test_a_job_through_the_gate_to_s3_paused_killed_there_and_resumed_comes_home
             f"{run}/heartbeats/{run_id}-s0.json", f"{run}/home/runs/{run_id}/control/user.json"} <= keys, sorted(keys)
     assert any(k.startswith(f"{run}/data/") for k in keys) and any(k.startswith(f"{run}/model/") for k in keys)
 
+    # The node kept the runtime's measured size when the scratch home went (the worker refuses a
+    # node folder that is a link, another user's or open: test_faults_links.py).
+    assert not (ray_head["node"] / run_id).exists(), "the node keeps no copy of the run"
+    [memo] = (ray_head["node"] / ".runtime").glob("*.json")
+    assert json.loads(memo.read_text())["rss_bytes"] > 0
+
     resumed = run_lodger(["resume", run_id], env)  # a fresh scratch home, seeded from the bucket
     assert resumed.returncode == 0 and "resubmitted" in resumed.stdout, describe(resumed)
     wait_for_step(scratch, step + 3, segment=1, timeout=300)
+    # ... and its runtime memo from the node (measuring again would cost a torch import first)
+    assert (scratch.parents[1] / "cache" / "runtime" / memo.name).read_bytes() == memo.read_bytes()
     pid = lock_pid(scratch)
     assert pid, "the training process's lock names no pid"
     os.kill(pid, signal.SIGKILL)

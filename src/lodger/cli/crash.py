@@ -45,13 +45,12 @@ def reader_left(exc: Exception) -> bool:
 def _logs_dir() -> Path:
     """$LODGER_HOME/logs (0700); when the home itself is unusable, a private folder in the temp dir."""
     from .. import durable
+    from ..home import home, private_temp_dir
 
     try:
-        from ..home import home
-
         folder = durable.make_dirs(home() / "logs")
     except Exception:  # the home may be the very thing that is broken (a file, unwritable)
-        folder = durable.make_dirs(Path(tempfile.gettempdir()) / f"lodger-logs-{os.getuid()}")
+        folder = private_temp_dir(Path(tempfile.gettempdir()), "lodger-logs")
     return folder
 
 

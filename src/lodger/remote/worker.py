@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 SCRATCH_ENV = "LODGER_WORKER_SCRATCH"  # where a node keeps runs' scratch homes (default: the temp dir)
+RUNTIME_MEMOS = ".runtime"  # in the node's folder, beside the scratch homes (run ids never start with a dot)
 PUSH_SECONDS = 1.0  # how often news goes out: one small PUT at most, only when something changed
 FORWARDED = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION",
              "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
@@ -48,23 +49,28 @@ def worker_env(info: dict) -> dict[str, str]:
 
 # -- the worker ----------------------------------------------------------------------------------
 def main(run_id: str, run_uri: str, submission_id: str) -> int:
+    from ..durable import make_dirs
+    from ..home import private_temp_dir
     from . import heartbeat
     from .eventlog import EventLog
     from .mirror import Mirror, download_tree
     from .storage import Storage
 
     store = Storage.open(run_uri)
+    node = None
     if store.local:
         root = Path(store.root)
-    else:
-        root = Path(os.environ.get(SCRATCH_ENV) or tempfile.gettempdir()) / "lodger-worker" / run_id
+    else:  # the node's own folder first: in /tmp, another user could otherwise have made it, to read or swap it
+        node = private_temp_dir(Path(os.environ.get(SCRATCH_ENV) or tempfile.gettempdir()), "lodger-worker",
+                                setting=SCRATCH_ENV)
+        root = node / run_id
         _fresh(root)
         store.get_file("job.toml", root / "job.toml")
         for prefix in ("data", "model"):
             download_tree(store, prefix, root / prefix)
-    from ..durable import make_dirs
-
     home = make_dirs(root / "home")  # owner-only, as a lodger home is; durable: on a shared folder it persists
+    if node is not None:
+        _copy_runtime_memos(node / RUNTIME_MEMOS, home / "cache" / "runtime")
     anchor = json.loads(store.read_bytes("chain_head.json"))["hash"]
     log = EventLog(store, "events", run_id=run_id, anchor=anchor)
     mirror = Mirror(store, home, run_id, submission_id, log)
@@ -99,9 +105,10 @@ def main(run_id: str, run_uri: str, submission_id: str) -> int:
         if code is not None:
             heartbeat.write(store, submission_id, time.monotonic() - started,
                             segment=mirror.state and mirror.state["segment"], ended=True)
-            if not store.local:  # everything is in the bucket; the node keeps no copy of the data
+            if node is not None:  # everything is in the bucket; the node keeps no copy of the data
                 from .. import durable
 
+                _copy_runtime_memos(home / "cache" / "runtime", node / RUNTIME_MEMOS)
                 durable.remove_tree(root)
             return code if code >= 0 else 128 - code
 
@@ -119,6 +126,21 @@ def _segments(store, beats: dict) -> list[int]:
         if type(segment) is int and segment >= 0:
             found.append(segment)
     return found
+
+
+def _copy_runtime_memos(source: Path, dest: Path) -> None:
+    """The training runtime's measured size (memory/measure.py's memos, by library versions and
+    threads) from one folder to another, each memo missing there: a scratch home is new for every
+    submission, and measuring it again costs an interpreter importing torch before training starts.
+    What they hold belongs to the node, not to a run, so the node keeps them."""
+    from .. import durable
+
+    if not source.is_dir():
+        return
+    durable.make_dirs(dest)
+    for memo in source.glob("*.json"):
+        if not (dest / memo.name).exists():
+            durable.atomic_write(dest / memo.name, memo.read_bytes())
 
 
 def _fresh(root: Path) -> None:
@@ -175,4 +197,10 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if args[:1] == ["--train"]:
         sys.exit(_train(*args[1:5]))
-    sys.exit(main(*args[:3]))
+    from ..errors import LodgerError
+
+    try:
+        sys.exit(main(*args[:3]))
+    except LodgerError as exc:  # e.g. a node folder another user could control: `lodger logs RUN --ray` says it
+        print(f"lodger worker: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
