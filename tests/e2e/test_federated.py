@@ -35,7 +35,11 @@ def _job(tmp_path: Path, model: Path, *, rounds: int = ROUNDS, local_steps: int 
                      name="fedjob", eval_fraction=0.0,
                      extra={"policy": {"enabled": False},  # the shared test machine is busy: no yielding here
                             "federated": {"rounds": rounds, "local_steps": local_steps, "min_clients": min_clients,
-                                          "round_timeout_seconds": 600.0}})
+                                          # A reply Flower loses is then asked again within the test's time
+                                          # (make test once saw a SuperNode's ClientApp fail with "task-token
+                                          # authentication failed" on a re-asked round while the killed
+                                          # server's stopped run was being cleared, and never answer).
+                                          "round_timeout_seconds": 180.0}})
 
 
 def _client_home(tmp_path: Path, name: str, seed: int, runtime_memos: Path) -> Path:
